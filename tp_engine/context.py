@@ -1,0 +1,54 @@
+"""The forward context: what one step computes, set once per step so layers take no plumbing arguments."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One step's work, identical on every rank. Token rows are packed: N tokens of B requests.
+
+    Prefill: each request contributes its new tokens (`extend_lens`). Decode: exactly one token each.
+    """
+
+    is_prefill: bool
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    out_loc: torch.Tensor  # [N] flat KV slot (page * page_size + offset) each new token is written to
+    seq_lens: list[int]  # [B] KV length of each request after this step
+    extend_lens: list[int]  # [B] new tokens of each request in this step
+    page_tables: list[list[int]]  # [B] pages of each request, in order
+    last_indices: torch.Tensor  # [B] row of each request's last token in the packed N rows
+    plan: dict[str, Any] = field(default_factory=dict)  # what the attention backend prepared for this batch
+
+    @property
+    def size(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class Context:
+    batch: Batch
+    kv_cache: Any  # tp_engine.kv_cache.KVCache
+    attn: Any  # an attention backend
+
+
+_CTX: Context | None = None
+
+
+def get_context() -> Context | None:
+    return _CTX
+
+
+@contextmanager
+def forward_context(batch: Batch, kv_cache, attn):
+    global _CTX
+    _CTX = Context(batch, kv_cache, attn)
+    try:
+        yield _CTX
+    finally:
+        _CTX = None

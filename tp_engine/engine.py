@@ -1,0 +1,165 @@
+"""The engine on each rank: builds the sharded model and KV pool, then runs steps.
+
+Rank 0 schedules, broadcasts each step's message, samples from the gathered logits and keeps the request
+state; the other ranks decode the same message and run the same forward (`follow`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from tp_engine import distributed as tpd
+from tp_engine.attention import make_backend
+from tp_engine.config import ModelConfig, fingerprint
+from tp_engine.context import Batch, forward_context
+from tp_engine.kv_cache import KVCache, pages_for
+from tp_engine.loader import init_dummy, load_checkpoint
+from tp_engine.models.qwen3 import Qwen3ForCausalLM
+from tp_engine.sampler import sample
+from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message
+
+log = logging.getLogger("tp_engine")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
+
+
+class Engine:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        device = tpd.pick_device(cfg["device"])
+        self.tp = tpd.init_distributed(device, cfg["timeout_s"])
+        self.device = device
+        error = None
+        try:
+            self._setup_model()
+        except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
+            error = e
+        tpd.check_startup(error, fingerprint(cfg), self.tp)
+        mc = self.model_cfg
+
+        page_size = cfg["kv_cache"]["page_size"]
+        qkv = self.model.model.layers[0].self_attn.qkv_proj
+        self.kv_heads_local, self.heads_local = qkv.kv_heads, qkv.q_heads
+        self.kv = KVCache(mc.num_layers, self._num_pages(), page_size, qkv.kv_heads, mc.head_dim, self.dtype, device)
+        self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
+                                 head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
+                                 max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
+        self.graphs = None
+        if device.type == "cuda" and cfg["cuda_graph"]:
+            from tp_engine.cuda_graph import GraphRunner
+            self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))
+
+    # ---- set-up ----
+
+    def _setup_model(self) -> None:
+        cfg, device = self.cfg, self.device
+        self.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
+        mc.check_tp(self.tp.size)
+        name = cfg["dtype"] if cfg["dtype"] != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        self.dtype = DTYPES[name]
+        if device.type == "cpu" and self.dtype == torch.float16:
+            raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
+        if device.type == "cuda" and self.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"dtype bfloat16 is not supported on {torch.cuda.get_device_name(device)}; use float16")
+        self.max_model_len = cfg["max_model_len"] or mc.max_position_embeddings
+        t0 = time.perf_counter()
+        self.model = self._build_model()
+        self.load_seconds = time.perf_counter() - t0
+
+    def _build_model(self) -> Qwen3ForCausalLM:
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = Qwen3ForCausalLM(self.model_cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if self.cfg["load_format"] == "dummy":
+            init_dummy(model, self.cfg["seed"] + self.tp.rank)
+        else:
+            load_checkpoint(model, self.cfg["model"])
+        return model.eval()
+
+    def _num_pages(self) -> int:
+        kvc, mc = self.cfg["kv_cache"], self.model_cfg
+        per_page = KVCache.bytes_per_page(mc.num_layers, kvc["page_size"], self.kv_heads_local, mc.head_dim, self.dtype)
+        if kvc["num_pages"]:
+            return kvc["num_pages"]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = int(free * kvc["gpu_memory_utilization"]) // per_page
+        else:
+            most = self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
+            n = min(CPU_KV_BYTES // per_page, most)
+        n = tpd.all_reduce_min(n, self.tp)  # every rank must have the same pool
+        if self.tp.is_first:
+            log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
+        return n
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (the tied LM head counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # ---- one step, on every rank ----
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        self.attn.prepare(batch)
+        with forward_context(batch, self.kv, self.attn):
+            return self.model(batch.input_ids)
+
+    def follow(self) -> None:
+        """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
+        while (batch := decode_message(tpd.broadcast_ints(None, self.tp), self.device)) is not None:
+            self.forward(batch)
+
+    # ---- the generation loop, on rank 0 ----
+
+    def new_scheduler(self) -> Scheduler:
+        c = self.cfg
+        return Scheduler(self.kv.num_pages, self.kv.page_size, c["max_batch_size"], c["max_prefill_tokens"],
+                         self.max_model_len, self.model_cfg.eos_token_ids)
+
+    def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
+            on_finish: Callable[[Request], None] | None = None) -> None:
+        """Rank 0: generate for all requests, calling `on_finish` as each completes; then release the others.
+
+        `on_token(req)` may return True to end a request early (stop strings).
+        """
+        sched = self.new_scheduler()
+        for r in requests:
+            sched.add(r)
+        try:
+            while sched.has_work():
+                plan = sched.schedule()
+                batch = decode_message(tpd.broadcast_ints(sched.encode(plan), self.tp), self.device)
+                logits = self.forward(batch)
+                tokens = self.sample(plan, logits)
+                done = sched.update(plan, tokens)
+                if on_token is not None:
+                    early = [r for r in plan.reqs if r not in done and on_token(r)]
+                    for r in early:
+                        r.finish_reason = "stop"
+                    done += sched.retire(early)
+                for r in done:
+                    if on_finish is not None:
+                        on_finish(r)
+            self.num_preempted = sched.num_preempted
+        finally:
+            self.release_followers()
+
+    def release_followers(self) -> None:
+        if self.tp.size > 1:
+            tpd.broadcast_ints(stop_message(), self.tp)
+
+    def sample(self, plan: Plan, logits: torch.Tensor) -> list[int]:
+        reqs = plan.reqs
+        seeds = [r.params.seed * 1_000_003 + r.index for r in reqs]
+        steps = [len(r.output_ids) for r in reqs]
+        return sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps).tolist()

@@ -1,0 +1,52 @@
+"""Paged KV cache: one pool of fixed-size pages per layer, a page allocator and per-request page tables.
+
+Layout per layer is flashinfer's paged NHD layout: [num_pages, 2 (K, V), page_size, kv_heads_per_rank, head_dim].
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.data = torch.zeros(num_layers, num_pages, 2, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+    def store(self, i: int, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
+        """Write the new tokens' K and V ([N, kv_heads, head_dim]) to their flat slots, one kernel each."""
+        page, slot = out_loc // self.page_size, out_loc % self.page_size
+        cache = self.data[i]
+        cache[page, 0, slot] = k
+        cache[page, 1, slot] = v
+
+
+class PageAllocator:
+    """Hands out page ids; rank 0 owns it, other ranks only see the ids in each step's message."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def alloc(self, n: int) -> list[int]:
+        assert n <= len(self.free), f"asked for {n} KV pages, {len(self.free)} free"
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return (tokens + page_size - 1) // page_size

@@ -1,0 +1,126 @@
+"""Tensor-parallel linear layers. Each owns its weight shard, loads it from a checkpoint slice,
+and does its one collective (if any) in `forward`.
+
+`weight_loader(param, src, shard_id)` receives `src`, a lazy view of the full checkpoint tensor with
+`.shape` and `.narrow(dim, start, length)`, so a rank reads only the rows or columns it keeps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_engine.distributed import all_reduce, get_tp
+
+
+def check_shape(src, expected: tuple[int, ...]) -> None:
+    if tuple(src.shape) != tuple(expected):
+        raise ValueError(f"expected shape {list(expected)}, checkpoint has {list(src.shape)}")
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.tp = get_tp()
+        self.weight = _param(out_features, in_features)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(out_features)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp()
+        assert out_features % tp.size == 0, f"output size {out_features} does not split across {tp.size} ranks"
+        self.full_out = out_features
+        super().__init__(in_features, out_features // tp.size, bias)
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        check_shape(src, (self.full_out, *param.shape[1:]))
+        n = param.shape[0]
+        param.data.copy_(src.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): rank r holds [gate_r | up_r]."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        full = self.out_sizes[shard_id]
+        check_shape(src, (full, *param.shape[1:]))
+        n = full // self.tp.size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, n).copy_(src.narrow(0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul; rank r holds [q_r | k_r | v_r].
+
+    Query heads split evenly. KV heads split evenly when tp <= num_kv_heads; with more ranks than KV
+    heads each rank holds one KV head, replicated: rank r keeps head r * num_kv_heads // tp.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_tp()
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.q_heads = num_heads // tp.size
+        self.kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_start = tp.rank * num_kv_heads // tp.size if tp.size > num_kv_heads else tp.rank * self.kv_heads
+        self.out_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        local = (self.q_heads + 2 * self.kv_heads) * head_dim
+        LinearBase.__init__(self, hidden, local, bias)
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        d = self.head_dim
+        idx = "qkv".index(shard_id)
+        check_shape(src, (self.out_sizes[idx], *param.shape[1:]))
+        if shard_id == "q":
+            offset, n, start = 0, self.q_heads * d, self.tp.rank * self.q_heads * d
+        else:
+            offset = (self.q_heads + (idx - 1) * self.kv_heads) * d
+            n, start = self.kv_heads * d, self.kv_start * d
+        param.data.narrow(0, offset, n).copy_(src.narrow(0, start, n))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp()
+        assert in_features % tp.size == 0, f"input size {in_features} does not split across {tp.size} ranks"
+        self.full_in = in_features
+        super().__init__(in_features // tp.size, out_features, bias)
+        if bias:
+            self.bias.weight_loader = self.bias_loader
+
+    def weight_loader(self, param, src, shard_id=None) -> None:
+        check_shape(src, (param.shape[0], self.full_in))
+        n = param.shape[1]
+        param.data.copy_(src.narrow(1, self.tp.rank * n, n))
+
+    def bias_loader(self, param, src, shard_id=None) -> None:
+        check_shape(src, tuple(param.shape))
+        param.data.copy_(src.narrow(0, 0, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight), self.tp)
+        # The bias is added after the reduction so it counts once, not once per rank.
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,125 @@
+"""Load a Hugging Face safetensors checkpoint into the sharded model; each rank reads only its slices."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class CheckpointError(ValueError):
+    """A problem with the checkpoint files; the message names the file or the tensor."""
+
+
+class SliceSource:
+    """A lazy view of one checkpoint tensor: `.narrow` reads only the requested rows or columns."""
+
+    def __init__(self, handle, name: str) -> None:
+        self.slice = handle.get_slice(name)
+        self.shape = tuple(self.slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.slice[index]
+
+
+class TensorSource:
+    """The same interface over an in-memory tensor (tests, tools)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.shape = tensor, tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, length)
+
+
+def default_loader(param: nn.Parameter, src, shard_id=None) -> None:
+    """Replicated parameters (norms): the whole tensor on every rank."""
+    if tuple(src.shape) != tuple(param.shape):
+        raise ValueError(f"expected shape {list(param.shape)}, checkpoint has {list(src.shape)}")
+    param.data.copy_(src.narrow(0, 0, src.shape[0]))
+
+
+def checkpoint_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [root / f for f in dict.fromkeys(weight_map.values())]
+    elif (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir} (set load_format: dummy for random weights)")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} listed in model.safetensors.index.json is missing")
+    return files
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, object] | None:
+    """Checkpoint tensor name -> (our parameter name, shard id)."""
+    for ckpt, (ours, shard) in getattr(model, "packed_modules", {}).items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), shard
+    return name, None
+
+
+def expected_names(model: nn.Module) -> set[str]:
+    names = set()
+    packed = getattr(model, "packed_modules", {})
+    for pname, _ in model.named_parameters():
+        parts = [c for c, (ours, _) in packed.items() if f".{ours}." in pname]
+        if parts:
+            ours = packed[parts[0]][0]
+            names.update(pname.replace(f".{ours}.", f".{c}.") for c in parts)
+        else:
+            names.add(pname)
+    return names
+
+
+def load_checkpoint(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())
+    expected = expected_names(model)
+    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings
+    seen: set[str] = set()
+    for file in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                        continue  # derived or duplicated tensors some checkpoints carry
+                    if name not in expected:
+                        raise CheckpointError(f"unexpected tensor '{name}' in {file.name}")
+                    pname, shard = _target(model, name)
+                    param = params[pname]
+                    loader = getattr(param, "weight_loader", default_loader)
+                    try:
+                        loader(param, SliceSource(handle, name), shard)
+                    except ValueError as e:
+                        raise CheckpointError(f"tensor '{name}' in {file.name}: {e}") from None
+                    seen.add(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors reports truncation and corruption with its own error types
+            raise CheckpointError(f"cannot read checkpoint file {file}: {e}") from None
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+def init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (benchmarks of public model shapes without a download)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.data.fill_(1.0) if "norm" in name else p.data.zero_()
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)

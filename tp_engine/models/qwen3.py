@@ -1,0 +1,95 @@
+"""Qwen3 dense decoder over packed [N, C] hidden states (N tokens of all requests in the step)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tp_engine.config import ModelConfig
+from tp_engine.context import get_context
+from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id, self.rotary, d = layer_id, rotary, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)  # per-head norms on Q and K, before RoPE
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
+        q = self.q_norm.norm(q.reshape(-1, h, d))
+        k = self.k_norm.norm(k.reshape(-1, kvh, d))
+        q, k = self.rotary(ctx.batch.positions, q, k)
+        o = ctx.attn.forward(self.layer_id, q, k, v.reshape(-1, kvh, d), ctx.kv_cache, ctx.batch)
+        return self.o_proj(o.reshape(-1, h * d))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Qwen3Attention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Qwen3MLP(cfg)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual adds live inside the norms: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+        return self.norm(x, residual)[0]
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, which part of it)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Last-position logits [B, vocab] in fp32 on rank 0; None on the other ranks."""
+        logits = self.lm_head(self.model(input_ids))
+        return None if logits is None else logits.float()

@@ -1,0 +1,77 @@
+"""Token selection on rank 0: greedy, temperature, top-k, top-p.
+
+Random draws come from a counter-based hash of (seed, request index, output step, token id), not from a
+stateful generator, so a request's samples do not depend on which other requests share its batch, on
+preemption, on the TP size or on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors (values stay below 2**63, so no overflow)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, step, token id) per row."""
+    row = _hash32(_hash32(seeds & _M32) ^ (steps & _M32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _hash32((row[:, None] + ids[None, :] * 0x9E3779B1) & _M32)
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """logits: [B, vocab] fp32 -> chosen ids [B] (int64)."""
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:
+        return greedy
+    dev = logits.device
+    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+    top_k = [params[i].top_k for i in rows]
+    if any(top_k):
+        k = torch.tensor([t if t > 0 else x.shape[-1] for t in top_k], device=dev)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=x.shape[-1] - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
+    if (top_p < 1).any():
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum - sorted_x.softmax(-1) > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
+                      torch.tensor([steps[i] for i in rows], device=dev), x.shape[-1])
+    chosen = (x - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
+    out = greedy.clone()
+    out[torch.tensor(rows, device=dev)] = chosen
+    return out

@@ -1,0 +1,164 @@
+"""Continuous batching on rank 0: admit requests as KV pages allow, decode the running ones, retire the
+finished, preempt (and later recompute) the newest when pages run out.
+
+Each step is encoded as one int64 message that rank 0 broadcasts; every rank decodes the same `Batch`
+from it, so the batch order is identical everywhere and the other ranks need no scheduler state.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tp_engine.context import Batch
+from tp_engine.kv_cache import PageAllocator, pages_for
+from tp_engine.sampler import SamplingParams
+
+STOP, STEP = 0, 1
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    text: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class Plan:
+    is_prefill: bool
+    reqs: list[Request]
+
+
+class Scheduler:
+    def __init__(self, num_pages: int, page_size: int, max_batch_size: int, max_prefill_tokens: int,
+                 max_model_len: int, eos_ids: tuple[int, ...]) -> None:
+        self.alloc = PageAllocator(num_pages)
+        self.page_size, self.max_batch, self.max_prefill = page_size, max_batch_size, max_prefill_tokens
+        # A request never grows past what the pool holds alone, so the oldest request can always progress.
+        self.max_len = min(max_model_len, num_pages * page_size)
+        self.eos_ids = set(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; preemption takes from the end
+        self.num_preempted = 0
+
+    def add(self, req: Request) -> None:
+        assert len(req.prompt_ids) < self.max_len, "prompt length is checked before add()"
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- deciding a step ----
+
+    def schedule(self) -> Plan:
+        admitted, budget = [], self.max_prefill
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            req = self.waiting[0]
+            n = len(req.all_ids)
+            if admitted and n > budget:
+                break
+            need = pages_for(n, self.page_size)
+            if need > self.alloc.num_free:
+                break
+            req.pages = self.alloc.alloc(need)
+            admitted.append(self.waiting.popleft())
+            budget -= n
+        if admitted:
+            self.running.extend(admitted)
+            return Plan(True, admitted)
+        self._grow_for_decode()
+        return Plan(False, list(self.running))
+
+    def _grow_for_decode(self) -> None:
+        """Every running request needs a slot for one more token; preempt the newest when pages run out."""
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if req.num_cached < len(req.pages) * self.page_size:
+                i += 1
+            elif self.alloc.num_free:
+                req.pages += self.alloc.alloc(1)
+                i += 1
+            else:
+                victim = self.running.pop()  # newest; may be `req` itself
+                self.alloc.release(victim.pages)
+                victim.pages, victim.num_cached = [], 0
+                self.waiting.appendleft(victim)  # recomputed from prompt + output when pages free up
+                self.num_preempted += 1
+
+    # ---- the step message ----
+
+    def encode(self, plan: Plan) -> torch.Tensor:
+        ids, pos, loc, seq, ext, npages, pages = [], [], [], [], [], [], []
+        S = self.page_size
+        for r in plan.reqs:
+            toks = r.all_ids[r.num_cached:] if plan.is_prefill else r.all_ids[-1:]
+            start = r.num_cached
+            ids += toks
+            positions = range(start, start + len(toks))
+            pos += positions
+            loc += [r.pages[p // S] * S + p % S for p in positions]
+            seq.append(start + len(toks))
+            ext.append(len(toks))
+            npages.append(len(r.pages))
+            pages += r.pages
+        header = [STEP, int(plan.is_prefill), len(plan.reqs), len(ids)]
+        return torch.tensor(header + ids + pos + loc + seq + ext + npages + pages, dtype=torch.int64)
+
+    # ---- after sampling ----
+
+    def update(self, plan: Plan, tokens: list[int]) -> list[Request]:
+        """Append each request's new token; return the requests that finished (their pages are freed)."""
+        done = []
+        for r, tok in zip(plan.reqs, tokens):
+            r.num_cached = len(r.all_ids)
+            r.output_ids.append(tok)
+            p = r.params
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+                r.finish_reason = "stop"
+            elif len(r.output_ids) >= p.max_new_tokens or len(r.all_ids) >= self.max_len:
+                r.finish_reason = "length"
+            if r.finish_reason:
+                done.append(r)
+        return self.retire(done)
+
+    def retire(self, reqs: list[Request]) -> list[Request]:
+        for r in reqs:
+            if r in self.running:
+                self.running.remove(r)
+            self.alloc.release(r.pages)
+            r.pages = []
+        return reqs
+
+
+def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
+    """The inverse of `Scheduler.encode`, run on every rank; None for STOP."""
+    cmd, is_prefill, B, N = msg[:4].tolist()
+    if cmd == STOP:
+        return None
+    vals = msg[4:]
+    ids, pos, loc = vals[:N], vals[N:2 * N], vals[2 * N:3 * N]
+    rest = vals[3 * N:].tolist()
+    seq, ext, npages, flat = rest[:B], rest[B:2 * B], rest[2 * B:3 * B], rest[3 * B:]
+    tables, o = [], 0
+    for n in npages:
+        tables.append(flat[o:o + n])
+        o += n
+    last = torch.tensor(ext).cumsum(0) - 1
+    return Batch(bool(is_prefill), ids.to(device), pos.to(device), loc.to(device), seq, ext, tables, last.to(device))
+
+
+def stop_message() -> torch.Tensor:
+    return torch.tensor([STOP, 0, 0, 0], dtype=torch.int64)
