@@ -1,0 +1,84 @@
+"""Shared test helpers: tiny random checkpoints written with transformers, the HF reference, the CLI runner."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATE = ROOT / "launch" / "generate.py"
+
+
+def make_checkpoint(path: Path, *, vocab: int = 512, hidden: int = 64, inter: int = 128, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, head_dim: int = 32, tie: bool = False, max_pos: int = 512,
+                    shard: bool = False, v4_style: bool = False, eos: int | list | None = None, seed: int = 0,
+                    attention_bias: bool = False) -> Path:
+    """A random Qwen3 checkpoint saved by transformers itself (its names, shapes and file layout)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=max_pos, tie_word_embeddings=tie, eos_token_id=eos,
+                      attention_bias=attention_bias, rope_theta=10000.0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the default init give peaked, tie-free logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
+    if v4_style:  # the config.json layout transformers 4.x writes
+        c = json.loads((path / "config.json").read_text())
+        rope = c.pop("rope_parameters", {}) or {}
+        c["rope_theta"] = rope.get("rope_theta", 10000.0)
+        c["rope_scaling"] = None
+        c["torch_dtype"] = c.pop("dtype", "float32")
+        c.pop("layer_types", None)
+        c["transformers_version"] = "4.51.3"
+        (path / "config.json").write_text(json.dumps(c, indent=2))
+    return path
+
+
+def hf_generate(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from transformers' own Qwen3 (fp32), one prompt at a time, EOS included."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            x = torch.tensor([ids])  # an explicit mask: otherwise generate treats token 0 as padding
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=0)
+        outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
+            name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines."""
+    cfg = dict(cfg)
+    cfg.setdefault("output", str(tmp_path / f"{name}.jsonl"))
+    cfg.setdefault("device", "cpu")
+    conf = tmp_path / f"{name}.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--standalone", str(GENERATE), "--config", str(conf), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    out = Path(cfg["output"])
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    return proc, lines
