@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -71,49 +72,126 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(cfg)
     except C.ConfigError as e:
         # Every rank reads the same file and fails the same way; rank 0 says so once.
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(rank, str(e), 2)
     if args.print_config:
         if rank == 0:
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
     if args.quiet:
         cfg["progress"] = False
+    install_signal_handlers(rank)
+    try:
+        return run(cfg, prompts, rank)
+    except StartupError as e:
+        return fail(rank, str(e), 2)
+    except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
+        import traceback
+        traceback.print_exc()
+        fail(rank, f"rank {rank}: {type(e).__name__}: {e}", 1, always=True)
+        sys.stderr.flush()
+        os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
+
+
+def run(cfg: dict, prompts: list, rank: int) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
-    try:
-        llm = LLM(**cfg)
-    except StartupError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    llm = LLM(**cfg)
     if not llm.rank0:
         llm.generate(prompts)
         llm.shutdown()
         return 0
+    sink = ResultSink(cfg["output"], cfg["resume"], len(prompts))
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts)
+    outputs = llm.generate(prompts, on_finish=sink.add, skip=sink.done_indices)
     seconds = time.perf_counter() - t0
-    if cfg["output"]:
-        write_jsonl(Path(cfg["output"]), outputs)
-    else:
-        for out in outputs:
-            print(json.dumps(out))
+    sink.close()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
                "output_tokens": n_out, "errors": sum(o["finish_reason"] == "error" for o in outputs),
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
+    if sink.done_indices:
+        summary["resumed_skipped"] = len(sink.done_indices)
     print("summary: " + json.dumps(summary), file=sys.stderr)
     llm.shutdown()
     return 0
 
 
+class ResultSink:
+    """Rank 0's results. With an output file, each result is appended and flushed the moment its request
+    finishes (a crash loses only requests in flight); at the end the file is rewritten in input order."""
+
+    def __init__(self, path: str | None, resume: bool, num_prompts: int) -> None:
+        self.path = Path(path) if path else None
+        self.results: dict[int, dict] = {}
+        if self.path and resume and self.path.is_file():
+            self.results = read_results(self.path, num_prompts)
+        self.done_indices = set(self.results)
+        self.file = None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_jsonl(self.path, [self.results[i] for i in sorted(self.results)])  # drops a torn last line
+            self.file = self.path.open("a")
+
+    def add(self, out: dict) -> None:
+        self.results[out["index"]] = out
+        if self.file:
+            self.file.write(json.dumps(out) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        ordered = [self.results[i] for i in sorted(self.results)]
+        if self.file:
+            self.file.close()
+            write_jsonl(self.path, ordered)
+        else:
+            for out in ordered:
+                print(json.dumps(out))
+
+
+def read_results(path: Path, num_prompts: int) -> dict[int, dict]:
+    """Results already in `path` (for resume); a line cut short by a crash is ignored."""
+    found = {}
+    for line in path.read_text().splitlines():
+        try:
+            out = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(out, dict) and isinstance(out.get("index"), int) and 0 <= out["index"] < num_prompts:
+            found[out["index"]] = out
+    return found
+
+
 def write_jsonl(path: Path, outputs: list[dict]) -> None:
     """Write atomically: a reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
         for out in outputs:
             f.write(json.dumps(out) + "\n")
     os.replace(tmp, path)
+
+
+def fail(rank: int, message: str, code: int, always: bool = False) -> int:
+    """Print `message` once (rank 0, or any rank when `always`) and leave it where torchrun's summary finds it."""
+    if rank == 0 or always:
+        print(f"error: {message}", file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun shows this as the root cause instead of a pointer to its docs
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+    return code
+
+
+def install_signal_handlers(rank: int) -> None:
+    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk."""
+
+    def stop(signum, frame):
+        if rank == 0:
+            name = signal.Signals(signum).name
+            print(f"\nstopped by {name}: finished results are in the output file; "
+                  "run again with resume: true to continue", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)

@@ -135,24 +135,23 @@ class Engine:
         sched = self.new_scheduler()
         for r in requests:
             sched.add(r)
-        try:
-            while sched.has_work():
-                plan = sched.schedule()
-                batch = decode_message(tpd.broadcast_ints(sched.encode(plan), self.tp), self.device)
-                logits = self.forward(batch)
-                tokens = self.sample(plan, logits)
-                done = sched.update(plan, tokens)
-                if on_token is not None:
-                    early = [r for r in plan.reqs if r not in done and on_token(r)]
-                    for r in early:
-                        r.finish_reason = "stop"
-                    done += sched.retire(early)
-                for r in done:
-                    if on_finish is not None:
-                        on_finish(r)
-            self.num_preempted = sched.num_preempted
-        finally:
-            self.release_followers()
+        while sched.has_work():
+            plan = sched.schedule()
+            batch = decode_message(tpd.broadcast_ints(sched.encode(plan), self.tp), self.device)
+            logits = self.forward(batch)
+            tokens = self.sample(plan, logits)
+            done = sched.update(plan, tokens)
+            if on_token is not None:
+                early = [r for r in plan.reqs if r not in done and on_token(r)]
+                for r in early:
+                    r.finish_reason = "stop"
+                done += sched.retire(early)
+            for r in done:
+                if on_finish is not None:
+                    on_finish(r)
+        self.num_preempted = sched.num_preempted
+        # Only after a clean finish: after an error, rank 0 exits and torchrun stops the others.
+        self.release_followers()
 
     def release_followers(self) -> None:
         if self.tp.size > 1:

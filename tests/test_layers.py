@@ -1,0 +1,158 @@
+"""Each parallel layer, sharded over 2 and 4 gloo ranks, equals its unsharded equivalent (fp32)."""
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from tp_engine import distributed as tpd
+from tp_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                              RowParallelLinear, VocabParallelEmbedding)
+from tp_engine.loader import TensorSource
+
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _worker(rank, world, init_file, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    tpd.set_tp(tpd.TPGroup(rank, world, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD))
+    for name, check in CHECKS.items():
+        torch.manual_seed(0)  # the same full weights and inputs on every rank
+        try:
+            check(rank, world)
+        except Exception:
+            errors.put((name, f"rank {rank}: {traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    """Run every check once per world size (starting processes is the slow part); name -> first failure."""
+    out = {}
+    ctx = mp.get_context("spawn")
+    for world in (2, 4):
+        errors = ctx.Queue()
+        init = tmp_path_factory.mktemp(f"tp{world}") / "init"
+        procs = [ctx.Process(target=_worker, args=(r, world, str(init), errors)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs), f"a rank crashed at world size {world}"
+        found = {}
+        while not errors.empty():
+            name, msg = errors.get()
+            found.setdefault(name, msg)
+        out[world] = found
+    return out
+
+
+def load(param, full, shard=None):
+    param.weight_loader(param, TensorSource(full), shard)
+
+
+def check_column(rank, world):
+    w, b, x = torch.randn(48, 20), torch.randn(48), torch.randn(5, 20)
+    layer = ColumnParallelLinear(20, 48, bias=True)
+    load(layer.weight, w)
+    load(layer.bias, b)
+    n = 48 // world
+    torch.testing.assert_close(layer(x), (x @ w.T + b)[:, rank * n:(rank + 1) * n], **TOL)
+
+
+def check_merged(rank, world):
+    g, u, x = torch.randn(32, 16), torch.randn(32, 16), torch.randn(3, 16)
+    layer = MergedColumnParallelLinear(16, [32, 32])
+    load(layer.weight, g, 0)
+    load(layer.weight, u, 1)
+    n = 32 // world
+    want = torch.cat([(x @ g.T)[:, rank * n:(rank + 1) * n], (x @ u.T)[:, rank * n:(rank + 1) * n]], -1)
+    torch.testing.assert_close(layer(x), want, **TOL)
+
+
+def check_qkv(rank, world, kv_heads):
+    heads, d, hidden = 8, 4, 16
+    q, k, v = torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    x = torch.randn(3, hidden)
+    layer = QKVParallelLinear(hidden, d, heads, kv_heads)
+    for name, t in zip("qkv", (q, k, v)):
+        load(layer.weight, t, name)
+    hq = heads // world
+    kv_local = max(1, kv_heads // world)
+    first_kv = rank * kv_heads // world if world > kv_heads else rank * kv_local  # replication when world > kv
+    want = torch.cat([(x @ q.T)[:, rank * hq * d:(rank + 1) * hq * d],
+                      (x @ k.T)[:, first_kv * d:(first_kv + kv_local) * d],
+                      (x @ v.T)[:, first_kv * d:(first_kv + kv_local) * d]], -1)
+    torch.testing.assert_close(layer(x), want, **TOL)
+
+
+def check_row(rank, world):
+    w, b, x = torch.randn(12, 40), torch.randn(12), torch.randn(4, 40)
+    layer = RowParallelLinear(40, 12, bias=True)
+    load(layer.weight, w)
+    load(layer.bias, b)
+    n = 40 // world
+    torch.testing.assert_close(layer(x[:, rank * n:(rank + 1) * n]), x @ w.T + b, **TOL)  # bias added once
+
+
+def check_embedding(rank, world):
+    vocab = 1001  # not divisible by 2 or 4
+    w = torch.randn(vocab, 24)
+    emb = VocabParallelEmbedding(vocab, 24)
+    load(emb.weight, w)
+    ids = torch.tensor([0, 1, 500, 999, 1000, 250, 751])
+    torch.testing.assert_close(emb(ids), F.embedding(ids, w), **TOL)
+
+
+def check_lm_head(rank, world):
+    from tp_engine.context import Batch, forward_context
+    vocab = 1001
+    w, h = torch.randn(vocab, 24), torch.randn(9, 24)
+    head = ParallelLMHead(vocab, 24)
+    load(head.weight, w)
+    z = torch.zeros(9, dtype=torch.long)
+    last = torch.tensor([3, 4, 8])  # three requests of 4, 1 and 4 tokens
+    batch = Batch(True, z, z, z, [4, 1, 4], [4, 1, 4], [[0], [1], [2]], last)
+    with forward_context(batch, None, None):
+        logits = head(h)
+    if rank == 0:
+        torch.testing.assert_close(logits, h[last] @ w.T, **TOL)
+    else:
+        assert logits is None
+
+
+CHECKS = {"column": check_column, "merged": check_merged, "row": check_row, "embedding": check_embedding,
+          "lm_head": check_lm_head}
+
+
+def _qkv_split(rank, world):
+    check_qkv(rank, world, kv_heads=4)
+
+
+def _qkv_replicated(rank, world):
+    check_qkv(rank, world, kv_heads=2 if world == 4 else 1)
+
+
+CHECKS.update(qkv_split=_qkv_split, qkv_replicated=_qkv_replicated)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_parallel_layer_equals_unsharded(name, world, failures):
+    assert name not in failures[world], failures[world][name]
+
+
+def test_tp_that_cannot_split_heads_names_the_numbers():
+    from tp_engine.config import ModelConfig, ModelError
+    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                                 "num_attention_heads": 6, "num_key_value_heads": 3})
+    with pytest.raises(ModelError, match="num_attention_heads=6 .* size 4"):
+        cfg.check_tp(4)
+    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                                 "num_attention_heads": 12, "num_key_value_heads": 3})
+    with pytest.raises(ModelError, match="num_key_value_heads=3 .* size 2"):
+        cfg.check_tp(2)
+    cfg.check_tp(3)
+    cfg.check_tp(6)  # 6 % 3 == 0: KV heads replicated
