@@ -98,8 +98,7 @@ def run(cfg: dict, prompts: list, rank: int) -> int:
     llm = LLM(**cfg)
     if not llm.rank0:
         llm.generate(prompts)
-        llm.shutdown()
-        return 0
+        return finish(llm, 0)
     sink = ResultSink(cfg["output"], cfg["resume"], len(prompts))
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, on_finish=sink.add, skip=sink.done_indices)
@@ -109,11 +108,24 @@ def run(cfg: dict, prompts: list, rank: int) -> int:
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
                "output_tokens": n_out, "errors": sum(o["finish_reason"] == "error" for o in outputs),
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
+    if llm.engine.num_preempted:
+        summary["preempted"] = llm.engine.num_preempted
     if sink.done_indices:
         summary["resumed_skipped"] = len(sink.done_indices)
     print("summary: " + json.dumps(summary), file=sys.stderr)
-    llm.shutdown()
-    return 0
+    return finish(llm, 0)
+
+
+def finish(llm, code: int) -> int:
+    """Meet the other ranks once more, then leave without tearing the process group down: gloo's teardown
+    can abort a rank whose peer (the store host) exited first, which would fail a run that succeeded."""
+    if llm.tp.size == 1:
+        return code
+    from tp_engine import distributed as tpd
+    tpd.barrier(llm.tp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ResultSink:

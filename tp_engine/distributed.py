@@ -77,11 +77,74 @@ def shutdown() -> None:
 # ---- tensor collectives on the compute device (used inside the model's forward) ----
 
 def all_reduce(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
-    """Sum `x` over the ranks, in place."""
+    """Sum `x` over the ranks and return the sum: in place with NCCL, a new tensor on the paths below.
+
+    On CUDA: messages up to `_FAST_AR.max_bytes` go through the one-shot all-reduce over symmetric memory
+    when `enable_fast_all_reduce` set it up; inside a CUDA-graph capture NCCL is called through the
+    functional collectives, which replay faster than `dist.all_reduce`.
+    """
     tp = tp or _TP
-    if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+    if tp.size == 1:
+        return x
+    if x.is_cuda:
+        fast = _FAST_AR.get(tp.group)
+        if fast is not None and fast.fits(x):
+            return fast(x)
+        if torch.cuda.is_current_stream_capturing():
+            out = torch.ops._c10d_functional.all_reduce(x, "sum", tp.group.group_name)
+            return torch.ops._c10d_functional.wait_tensor(out)
+    dist.all_reduce(x, group=tp.group)
     return x
+
+
+class _SymmAllReduce:
+    """One-shot all-reduce through a symmetric-memory buffer (NVLink peer loads), for small messages."""
+
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.name = tp.group.group_name
+        self.dtype, self.max_bytes = dtype, max_bytes
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            try:
+                symm_mem.enable_symm_mem_for_group(self.name)
+            except Exception:  # deprecated in newer releases; rendezvous alone suffices there
+                pass
+        self.buf = symm_mem.empty(max_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                  device=tp.device)
+        symm_mem.rendezvous(self.buf, self.name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() * x.element_size() <= self.max_bytes and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        view = self.buf[: x.numel()].view(x.shape)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, x, "sum", self.name, out)
+        return out
+
+
+_FAST_AR: dict = {}
+
+
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 4 << 20) -> str:
+    """Collective: set up the symmetric-memory all-reduce for `tp` if TP_ENGINE_ALLREDUCE=symm, check it on
+    a small sum, and fall back to NCCL on any failure. Returns the kind in use ("nccl" or "symm")."""
+    if tp.size == 1 or tp.device.type != "cuda" or os.environ.get("TP_ENGINE_ALLREDUCE", "nccl") != "symm":
+        return "nccl"
+    ok, fast = 1, None
+    try:
+        fast = _SymmAllReduce(tp, dtype, max_bytes)
+        probe = torch.full((4096,), float(tp.rank + 1), dtype=dtype, device=tp.device)
+        got = fast(probe)
+        want = tp.size * (tp.size + 1) / 2
+        ok = int(bool((got == want).all().item()))
+    except Exception:  # no peer access, no symmetric memory: NCCL it is
+        ok = 0
+    ok = all_reduce_min(ok, tp)  # every rank takes the same path
+    if ok:
+        _FAST_AR[tp.group] = fast
+    return "symm" if ok else "nccl"
 
 
 def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor | None:
@@ -127,6 +190,12 @@ def all_gather_object(obj, tp: TPGroup | None = None) -> list:
     out = [None] * tp.size
     dist.all_gather_object(out, obj, group=tp.cpu_group)
     return out
+
+
+def barrier(tp: TPGroup | None = None) -> None:
+    tp = tp or _TP
+    if tp.size > 1:
+        dist.barrier(group=tp.cpu_group)
 
 
 def all_reduce_min(value: int, tp: TPGroup | None = None) -> int:

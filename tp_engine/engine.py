@@ -49,6 +49,7 @@ class Engine:
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
                                  max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
         self.graphs = None
+        self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
         if device.type == "cuda" and cfg["cuda_graph"]:
             from tp_engine.cuda_graph import GraphRunner
             self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))

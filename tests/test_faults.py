@@ -1,0 +1,348 @@
+"""Bad input and faults, through the real CLI under torchrun: one clear message, a line per prompt, no hangs."""
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import GENERATE, free_port, make_checkpoint, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}, {"input_ids": [9, 9, 9, 9]}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("faults") / "m")
+
+
+def base(ckpt, **kw):
+    return {"model": str(ckpt), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}, **kw}
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_fails_once(proc, *needles, took=None):
+    assert proc.returncode != 0
+    errs = error_lines(proc)
+    assert len(errs) == 1, proc.stderr[-3000:]  # printed once, not once per rank
+    for needle in needles:
+        assert needle in errs[0], errs[0]
+    assert not re.search(r'File ".*(tp_engine|launch)/', proc.stderr)  # no traceback from our code on any rank
+    if took is not None:
+        assert took < 60
+
+
+def variant(tmp_path, ckpt, name):
+    """A copy of the checkpoint to break."""
+    dst = tmp_path / name
+    dst.mkdir()
+    for f in ckpt.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+# ---- configuration ----
+
+CONFIG_CASES = {
+    "unknown_key": ({"sampling": {"temprature": 0.5, "max_new_tokens": 8}}, ["sampling.temprature", "sampling.temperature"]),
+    "wrong_type": ({"sampling": {"max_new_tokens": "ten"}}, ["sampling.max_new_tokens", "integer", "ten"]),
+    "negative_temperature": ({"sampling": {"temperature": -0.5}}, ["sampling.temperature", ">= 0", "-0.5"]),
+    "top_p_out_of_range": ({"sampling": {"top_p": 1.5}}, ["sampling.top_p", "(0, 1]"]),
+    "max_new_tokens_zero": ({"sampling": {"max_new_tokens": 0}}, ["sampling.max_new_tokens", ">= 1"]),
+    "bad_choice": ({"dtype": "float8"}, ["dtype", "float8"]),
+    "missing_model_dir": ({"model": "/nonexistent/model"}, ["/nonexistent/model", "not found"]),
+    "both_prompt_sources": ({"prompts_file": "x.jsonl"}, ["both"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_config_errors(ckpt, tmp_path, case):
+    extra, needles = CONFIG_CASES[case]
+    t0 = time.time()
+    proc, _ = run_cli(base(ckpt, **extra), tmp_path, nproc=2)
+    assert_fails_once(proc, *needles, took=time.time() - t0)
+
+
+def test_neither_prompt_source(ckpt, tmp_path):
+    cfg = base(ckpt)
+    del cfg["prompts"]
+    proc, _ = run_cli(cfg, tmp_path, nproc=2)
+    assert_fails_once(proc, "neither")
+
+
+def test_malformed_prompts_file_names_the_line(ckpt, tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text('{"prompt": "a"}\n{"input_ids": [1, 2]}\n{"input_ids": [1, 2\n')
+    cfg = base(ckpt, prompts_file=str(pf))
+    del cfg["prompts"]
+    proc, _ = run_cli(cfg, tmp_path, nproc=2)
+    assert_fails_once(proc, "p.jsonl line 3")
+
+
+def test_set_override_with_unknown_key(ckpt, tmp_path):
+    proc, _ = run_cli(base(ckpt), tmp_path, nproc=1, args=("--set", "kv_cache.num_page=4"))
+    assert_fails_once(proc, "kv_cache.num_page", "kv_cache.num_pages")
+
+
+# ---- model ----
+
+def edit_config(path, change):
+    c = json.loads((path / "config.json").read_text())
+    change(c)
+    (path / "config.json").write_text(json.dumps(c))
+
+
+def test_tp_that_cannot_split_heads(ckpt, tmp_path):
+    t0 = time.time()
+    proc, _ = run_cli(base(ckpt), tmp_path, nproc=3)  # 4 heads, 2 KV heads, 3 ranks
+    assert_fails_once(proc, "num_attention_heads=4", "3", took=time.time() - t0)
+
+
+@pytest.mark.parametrize("case", ["architecture", "rope_scaling", "missing_field"])
+def test_model_config_errors(ckpt, tmp_path, case):
+    path = variant(tmp_path, ckpt, case)
+    change, needles = {
+        "architecture": (lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"), ["LlamaForCausalLM"]),
+        "rope_scaling": (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+                         ["yarn"]),
+        "missing_field": (lambda c: c.pop("hidden_size"), ["hidden_size"]),
+    }[case]
+    edit_config(path, change)
+    proc, _ = run_cli(base(path), tmp_path, nproc=2)
+    assert_fails_once(proc, "config.json", *needles)
+
+
+# ---- checkpoint ----
+
+def rewrite_tensors(path, change):
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    change(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+CKPT_CASES = {
+    "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["missing", "model.layers.1.mlp.up_proj.weight"]),
+    "unexpected": (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+                   ["unexpected", "model.layers.0.mlp.extra.weight"]),
+    "wrong_shape": (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64)}),
+                    ["model.layers.0.self_attn.k_proj.weight", "[64, 64]", "[32, 64]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CKPT_CASES))
+def test_checkpoint_tensor_errors(ckpt, tmp_path, case):
+    path = variant(tmp_path, ckpt, case)
+    change, needles = CKPT_CASES[case]
+    rewrite_tensors(path, change)
+    t0 = time.time()
+    proc, _ = run_cli(base(path), tmp_path, nproc=2)
+    assert_fails_once(proc, *needles, took=time.time() - t0)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_corrupt_safetensors_names_the_file(ckpt, tmp_path, how):
+    path = variant(tmp_path, ckpt, how)
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if how == "truncated" else b"\x07" * 64 + data[64:])
+    proc, _ = run_cli(base(path), tmp_path, nproc=2)
+    assert_fails_once(proc, "model.safetensors")
+
+
+def test_dtype_not_supported_on_device(ckpt, tmp_path):
+    proc, _ = run_cli(base(ckpt, dtype="float16"), tmp_path, nproc=2)
+    assert_fails_once(proc, "float16", "CPU")
+
+
+# ---- per-prompt errors ----
+
+def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
+    good = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}]
+    prompts = [good[0], {"input_ids": []}, {"input_ids": [3, 512, 4]}, {"input_ids": list(range(1, 70))},
+               "text but no tokenizer", {"input_ids": [7] * 40}, good[1]]
+    cfg = base(ckpt, prompts=prompts, max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16})
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line["index"] for line in lines] == list(range(len(prompts)))  # one line each, in order
+    reasons = [line["finish_reason"] for line in lines]
+    assert reasons == ["length", "error", "error", "error", "error", "error", "length"]
+    assert "empty" in lines[1]["error"]
+    assert "512" in lines[2]["error"] and "vocabulary" in lines[2]["error"]
+    assert "69 tokens" in lines[3]["error"]
+    assert "tokenizer" in lines[4]["error"]
+    assert "40 tokens" in lines[5]["error"] and "KV pool 32 tokens" in lines[5]["error"]
+    _, clean = run_cli(base(ckpt, prompts=good), tmp_path, nproc=1, name="clean")
+    assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == [c["output_token_ids"] for c in clean]
+
+
+# ---- memory pressure ----
+
+def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):
+    prompts = [{"input_ids": [(7 * i + j) % 500 + 1 for j in range(10 + 3 * i)]} for i in range(8)]
+    sampling = {"max_new_tokens": 24}
+    _, roomy = run_cli(base(ckpt, prompts=prompts, sampling=sampling), tmp_path, nproc=2, name="roomy")
+    proc, tight = run_cli(base(ckpt, prompts=prompts, sampling=sampling, kv_cache={"num_pages": 5, "page_size": 16}),
+                          tmp_path, nproc=2, name="tight")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
+    assert summary.get("preempted", 0) > 0  # the pool really was too small for the batch
+    assert [t["output_token_ids"] for t in tight] == [r["output_token_ids"] for r in roomy]
+    assert all(t["finish_reason"] == "length" for t in tight)
+
+
+# ---- nothing lost, no hangs ----
+
+def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job"):
+    conf = tmp_path / f"{name}.yaml"
+    import yaml
+    conf.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(script), "--config", str(conf)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+def long_job(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    prompts = [{"input_ids": [i % 500 + 1, 2, 3]} for i in range(300)]
+    cfg = base(ckpt, prompts=prompts, output=str(out), max_batch_size=2, device="cpu",
+               sampling={"max_new_tokens": 40, "ignore_eos": True})
+    return cfg, out
+
+
+def wait_for_lines(out, n, proc, limit=120):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if out.is_file() and len(out.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("no results appeared")
+
+
+def worker_pids(launcher_pid):
+    """torchrun's workers, by RANK."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid:
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    pids[int(kv[5:])] = int(d.name)
+    return pids
+
+
+def check_results_file(out, n_prompts):
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines, "finished results were lost"
+    assert all(line["finish_reason"] == "length" and len(line["output_token_ids"]) == 40 for line in lines)
+    assert len({line["index"] for line in lines}) == len(lines) < n_prompts
+    return lines
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_worker_ends_the_job_fast_and_keeps_results(ckpt, tmp_path, victim):
+    cfg, out = long_job(ckpt, tmp_path)
+    proc = start_job(cfg, tmp_path)
+    try:
+        wait_for_lines(out, 2, proc)
+        os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+        t0 = time.time()
+        proc.wait(timeout=30)
+        assert time.time() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    check_results_file(out, 300)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
+    cfg, out = long_job(ckpt, tmp_path)
+    cfg["prompts"] = cfg["prompts"][:40]
+    proc = start_job(cfg, tmp_path)
+    try:
+        wait_for_lines(out, 3, proc)
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)  # Ctrl-C hits the group
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "resume" in err
+    partial = check_results_file(out, 40)
+    with out.open("a") as f:
+        f.write('{"index": 39, "prompt_tok')  # a line torn by a crash is ignored on resume
+    proc2, lines = run_cli({**cfg, "resume": True}, tmp_path, nproc=2, name="resume")
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert [line["index"] for line in lines] == list(range(40))
+    assert json.loads(proc2.stderr.split("summary: ")[1].splitlines()[0])["resumed_skipped"] == len(partial)
+    _, fresh = run_cli({**cfg, "output": str(tmp_path / "fresh.jsonl")}, tmp_path, nproc=1, name="fresh")
+    assert lines == fresh
+
+
+FAULTY = """
+import os, sys
+sys.path.insert(0, {root!r})
+from tp_engine import engine
+if os.environ["RANK"] == {rank!r}:
+    real, calls = engine.Engine.forward, [0]
+    def forward(self, batch):
+        calls[0] += 1
+        if calls[0] == 150:
+            raise RuntimeError("injected fault")
+        return real(self, batch)
+    engine.Engine.forward = forward
+from tp_engine.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY.format(root=str(ROOT), rank=rank))
+    cfg, out = long_job(ckpt, tmp_path)
+    proc = start_job(cfg, tmp_path, script=script)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert f"error: rank {rank}: RuntimeError: injected fault" in err
+    check_results_file(out, 300)
+
+
+def test_ranks_with_different_configs_are_detected(ckpt, tmp_path):
+    import yaml
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        conf = tmp_path / f"r{rank}.yaml"
+        conf.write_text(yaml.safe_dump(base(ckpt, device="cpu", seed=rank)))
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(GENERATE), "--config", str(conf)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert "different configurations" in errs[0]
