@@ -14,6 +14,7 @@ import yaml
 
 from tp_engine import config as C
 from tp_engine.distributed import StartupError
+from tp_engine.progress import Progress, Streamer
 
 log = logging.getLogger("tp_engine")
 
@@ -100,8 +101,27 @@ def run(cfg: dict, prompts: list, rank: int) -> int:
         llm.generate(prompts)
         return finish(llm, 0)
     sink = ResultSink(cfg["output"], cfg["resume"], len(prompts))
+    progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not cfg["stream"])
+    streamer = None
+    if cfg["stream"]:
+        if len(prompts) != 1:
+            log.warning("stream: true prints text for a single prompt only; %d prompts given", len(prompts))
+        else:
+            streamer = Streamer(llm.decode)
+
+    def on_token(req) -> None:
+        progress.token()
+        if streamer is not None:
+            streamer.update(req.output_ids)
+
+    def on_finish(out: dict) -> None:
+        sink.add(out)
+        progress.finished()
+        if streamer is not None:
+            streamer.update(out["output_token_ids"], final=True)
+
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, on_finish=sink.add, skip=sink.done_indices)
+    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token)
     seconds = time.perf_counter() - t0
     sink.close()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)

@@ -143,7 +143,7 @@ class Engine:
             tokens = self.sample(plan, logits)
             done = sched.update(plan, tokens)
             if on_token is not None:
-                early = [r for r in plan.reqs if r not in done and on_token(r)]
+                early = [r for r in plan.reqs if on_token(r) and r not in done]
                 for r in early:
                     r.finish_reason = "stop"
                 done += sched.retire(early)

@@ -5,6 +5,7 @@ Every rank constructs the LLM and calls `generate` with the same arguments; rank
 """
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -156,7 +157,12 @@ class LLM:
         return out
 
     def shutdown(self) -> None:
+        """Leave the process group. Call on every rank at the end of a script."""
         tpd.shutdown()
+        # Layers hold the group too; free them now rather than during interpreter teardown, where gloo's
+        # threads can abort the process.
+        self.engine = self.tp = None
+        gc.collect()
 
 
 def load_tokenizer(model_dir: str):

@@ -1,0 +1,58 @@
+"""Rank 0's progress report: a bar on a terminal, a log line every few seconds otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool = True, out: TextIO = sys.stderr, interval_s: float = 10.0) -> None:
+        self.total, self.enabled, self.out = total, enabled and total > 0, out
+        self.tty = self.enabled and out.isatty()
+        self.interval = 0.2 if self.tty else interval_s
+        self.done = self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+
+    def token(self) -> None:
+        self.tokens += 1
+        self._maybe_show()
+
+    def finished(self) -> None:
+        self.done += 1
+        self._maybe_show(force=self.done == self.total)
+
+    def _maybe_show(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < self.interval):
+            return
+        self.last = now
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        if self.tty:
+            width = 30
+            fill = width * self.done // self.total
+            self.out.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} requests | "
+                           f"{rate:,.0f} output tok/s ")
+            if self.done == self.total:
+                self.out.write("\n")
+        else:
+            self.out.write(f"progress: {self.done}/{self.total} requests, {self.tokens} output tokens, "
+                           f"{rate:.0f} tok/s\n")
+        self.out.flush()
+
+
+class Streamer:
+    """Prints a single request's text as it is generated (whole characters only: a token may end mid-character)."""
+
+    def __init__(self, decode, out: TextIO = sys.stdout) -> None:
+        self.decode, self.out, self.shown = decode, out, ""
+
+    def update(self, output_ids: list[int], final: bool = False) -> None:
+        text = self.decode(output_ids) or ""
+        if not final and text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.shown):])
+        self.shown = text
+        if final:
+            self.out.write("\n")
+        self.out.flush()
