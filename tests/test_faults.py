@@ -62,6 +62,9 @@ CONFIG_CASES = {
     "bad_choice": ({"dtype": "float8"}, ["dtype", "float8"]),
     "missing_model_dir": ({"model": "/nonexistent/model"}, ["/nonexistent/model", "not found"]),
     "both_prompt_sources": ({"prompts_file": "x.jsonl"}, ["both"]),
+    "cuda_without_gpu": ({"device": "cuda"}, ["cuda", "no CUDA device"]),
+    "flashinfer_on_cpu": ({"attention_backend": "flashinfer"}, ["flashinfer", "cuda"]),
+    "max_model_len_past_rope_table": ({"max_model_len": 100000}, ["100000", "max_position_embeddings 512"]),
 }
 
 
@@ -106,6 +109,12 @@ def test_tp_that_cannot_split_heads(ckpt, tmp_path):
     t0 = time.time()
     proc, _ = run_cli(base(ckpt), tmp_path, nproc=3)  # 4 heads, 2 KV heads, 3 ranks
     assert_fails_once(proc, "num_attention_heads=4", "3", took=time.time() - t0)
+
+
+def test_tp_that_cannot_split_the_mlp(tmp_path):
+    path = make_checkpoint(tmp_path / "odd", inter=129)
+    proc, _ = run_cli(base(path), tmp_path, nproc=2)
+    assert_fails_once(proc, "intermediate_size=129", "2")
 
 
 @pytest.mark.parametrize("case", ["architecture", "rope_scaling", "missing_field"])

@@ -78,11 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
-    if args.quiet:
-        cfg["progress"] = False
     install_signal_handlers(rank)
     try:
-        return run(cfg, prompts, rank)
+        return run(cfg, prompts, rank, quiet=args.quiet)
     except StartupError as e:
         return fail(rank, str(e), 2)
     except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
 
 
-def run(cfg: dict, prompts: list, rank: int) -> int:
+def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
     llm = LLM(**cfg)
@@ -101,7 +99,7 @@ def run(cfg: dict, prompts: list, rank: int) -> int:
         llm.generate(prompts)
         return finish(llm, 0)
     sink = ResultSink(cfg["output"], cfg["resume"], len(prompts))
-    progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not cfg["stream"])
+    progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
         if len(prompts) != 1:

@@ -67,7 +67,7 @@ SCHEMA: dict[str, Key] = {
     "max_prefill_tokens": Key(_INT, 8192, "most prompt tokens in one prefill batch (a longer prompt runs alone)", check=_positive),
     "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=_positive),
     "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),
-    "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages per layer; default: sized from free GPU memory, or to fit all requests on CPU", check=_positive),
+    "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: from free GPU memory on CUDA, on CPU up to 1 GiB per rank", check=_positive),
     "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "fraction of free GPU memory (after weights) the KV pool takes", check=_fraction),
     "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_non_negative),
     "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=_non_negative),
@@ -294,6 +294,9 @@ class ModelConfig:
         if kv % tp and tp % kv:
             raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
                              f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
+        if self.intermediate_size % tp:
+            raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across tensor-parallel "
+                             f"size {tp}: it must divide evenly")
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:
