@@ -27,10 +27,31 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
 
 
+def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
+    """CPU: float32. CUDA: the checkpoint's own half-precision dtype, else bfloat16."""
+    if device.type == "cpu":
+        return "float32"
+    return mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError("attention_backend flashinfer needs device cuda; use torch (or auto) on CPU")
+    if device.type == "cuda" and name in ("auto", "flashinfer"):
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            raise ValueError("flashinfer is not installed (pip install -e '.[gpu]'); "
+                             "or set attention_backend: torch") from None
+
+
 class Engine:
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
-        device = tpd.pick_device(cfg["device"])
+        try:
+            device = tpd.pick_device(cfg["device"])
+        except ValueError as e:  # the same on every rank: each exits, rank 0 says why
+            raise tpd.StartupError(str(e)) from None
         self.tp = tpd.init_distributed(device, cfg["timeout_s"])
         self.device = device
         error = None
@@ -50,7 +71,7 @@ class Engine:
                                  max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
         self.graphs = None
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
-        if device.type == "cuda" and cfg["cuda_graph"]:
+        if device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
             from tp_engine.cuda_graph import GraphRunner
             self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))
 
@@ -60,13 +81,16 @@ class Engine:
         cfg, device = self.cfg, self.device
         self.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
         mc.check_tp(self.tp.size)
-        name = cfg["dtype"] if cfg["dtype"] != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-        self.dtype = DTYPES[name]
+        self.dtype = DTYPES[cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(mc, device)]
         if device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
         if device.type == "cuda" and self.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise ValueError(f"dtype bfloat16 is not supported on {torch.cuda.get_device_name(device)}; use float16")
         self.max_model_len = cfg["max_model_len"] or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        check_backend(cfg["attention_backend"], device)
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.load_seconds = time.perf_counter() - t0
