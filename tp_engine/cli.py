@@ -98,7 +98,7 @@ def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
     if not llm.rank0:
         llm.generate(prompts)
         return finish(llm, 0)
-    sink = ResultSink(cfg["output"], cfg["resume"], len(prompts))
+    sink = ResultSink(cfg["output"], cfg["resume"], len(prompts), llm.decode if llm.tokenizer else None)
     progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
@@ -150,8 +150,8 @@ class ResultSink:
     """Rank 0's results. With an output file, each result is appended and flushed the moment its request
     finishes (a crash loses only requests in flight); at the end the file is rewritten in input order."""
 
-    def __init__(self, path: str | None, resume: bool, num_prompts: int) -> None:
-        self.path = Path(path) if path else None
+    def __init__(self, path: str | None, resume: bool, num_prompts: int, decode=None) -> None:
+        self.path, self.decode = (Path(path) if path else None), decode
         self.results: dict[int, dict] = {}
         if self.path and resume and self.path.is_file():
             self.results = read_results(self.path, num_prompts)
@@ -173,6 +173,11 @@ class ResultSink:
         if self.file:
             self.file.close()
             write_jsonl(self.path, ordered)
+        elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
+            for out in ordered:
+                head = f"[{out['index']}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
+                body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
+                print(f"\033[2m{head}\033[0m\n{body}\n")
         else:
             for out in ordered:
                 print(json.dumps(out))

@@ -1,0 +1,86 @@
+"""The shipped demo model: readable text, its tokenizer, chat templates, stop strings and streaming."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import GENERATE, ROOT, run_cli
+
+DEMO = ROOT / "configs" / "models" / "demo"
+CORPUS = (ROOT / "launch" / "data" / "corpus.txt").read_text()
+PHRASES = ["Alice was beginning to get very tired", "'Curiouser and curiouser!' cried Alice"]
+
+
+def words(text):
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_demo_continues_phrases_from_its_training_text(tmp_path, tp):
+    cfg = {"model": str(DEMO), "prompts": PHRASES, "sampling": {"max_new_tokens": 24}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=tp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for phrase, line in zip(PHRASES, lines):
+        assert len(line["text"].split()) >= 8
+        assert words(phrase + line["text"]) in words(CORPUS), line["text"]  # the book, word for word
+
+
+def test_demo_config_runs_as_the_readme_says(tmp_path):
+    conf = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(GENERATE), "--config", str(ROOT / "configs" / "demo.yaml"),
+                           "--set", f"output={tmp_path / 'demo.jsonl'}"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "demo.jsonl").read_text().splitlines()]
+    assert len(lines) == len(conf["prompts"])
+    assert words(conf["prompts"][0] + lines[0]["text"]) in words(CORPUS)
+
+
+def test_chat_template_with_options(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEMO, local_files_only=True)
+    cfg = {"model": str(DEMO), "chat": True, "chat_template_kwargs": {"enable_thinking": False},
+           "prompts": ["Who are you?", {"messages": [{"role": "user", "content": "Hi"}]}],
+           "sampling": {"max_new_tokens": 4}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = tok.apply_chat_template([{"role": "user", "content": "Who are you?"}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    assert "<think>" in want and "<|im_start|>assistant" in want
+    assert lines[0]["prompt_token_ids"] == tok.encode(want, add_special_tokens=False)
+    assert tok.decode(lines[1]["prompt_token_ids"]).startswith("<|im_start|>user\nHi<|im_end|>")
+
+
+def test_stop_strings_end_a_request(tmp_path):
+    cfg = {"model": str(DEMO), "prompts": [PHRASES[0]], "sampling": {"max_new_tokens": 40, "stop": [" sister"]}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0]["finish_reason"] == "stop"
+    assert lines[0]["text"] == " of sitting by her"  # cut before the stop string
+
+
+def test_stream_prints_text_as_it_is_generated(tmp_path):
+    cfg = {"model": str(DEMO), "prompts": [PHRASES[0]], "stream": True, "sampling": {"max_new_tokens": 20}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0]["text"] in proc.stdout
+
+
+def test_streamer_writes_deltas_and_waits_for_whole_characters():
+    import io
+    from tp_engine.progress import Streamer
+    table = {1: "Hel", 2: "lo", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
+    out = io.StringIO()
+    writes = []
+    out.write = lambda s: writes.append(s)
+    streamer = Streamer(lambda ids: "".join(table[i] for i in ids).replace("\ufffdé", "é"), out)
+    for n in range(1, 5):
+        streamer.update([1, 2, 3, 4][:n])
+    streamer.update([1, 2, 3, 4], final=True)
+    assert writes[:3] == ["Hel", "lo", "é"]
+    assert "".join(writes) == "Helloé\n"
