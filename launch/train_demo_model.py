@@ -6,7 +6,8 @@ BPE tokenizer and a Qwen3-style chat template. It memorises the corpus (the firs
 of "Alice's Adventures in Wonderland"), so greedy decoding of a phrase from the text continues
 with the words that follow it in the book: readable output that is easy to check by eye.
 
-The run is deterministic: the same command gives byte-identical files.
+The run is deterministic: with the same torch version on the same kind of CPU, the same command
+gives byte-identical files.
 
     python launch/train_demo_model.py                 # writes configs/models/demo/
     python launch/train_demo_model.py --out /tmp/demo --steps 200
@@ -28,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "launch" / "data" / "corpus.txt"
@@ -37,6 +38,9 @@ DEFAULT_OUT = REPO / "configs" / "models" / "demo"
 VOCAB_SIZE = 2048
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 THINK = ["<think>", "</think>"]  # ordinary added tokens (kept by decode), as in Qwen3: the last two ids
+# Qwen2/Qwen3's pre-tokenizer split (runs of newlines stay together, digits are split one by one).
+SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 # Qwen3's template, reduced to plain role/content messages: each message is
 # "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt opens an assistant turn and,
@@ -101,7 +105,10 @@ def train_tokenizer(text: str, out: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(THINK),
@@ -128,10 +135,14 @@ def train_tokenizer(text: str, out: Path):
         chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(str(out))
-    # The chat template lives in tokenizer_config.json (not a separate chat_template.jinja), as in Qwen3.
+    # The chat template lives in tokenizer_config.json (not a separate chat_template.jinja), as in Qwen3,
+    # and the file uses the long-standing key names so that older transformers releases read it too.
     cfg_path, jinja = out / "tokenizer_config.json", out / "chat_template.jinja"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("backend", None)
+    cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens", ["<|im_start|>", "<|im_end|>"])
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     if jinja.exists():
         jinja.unlink()
@@ -146,7 +157,8 @@ def train_tokenizer(text: str, out: Path):
     assert got == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", repr(got)
     ids = hf(want, add_special_tokens=False)["input_ids"]
     assert ids[0] == hf.convert_tokens_to_ids("<|im_start|>") and hf.convert_tokens_to_ids("<think>") in ids
-    assert hf.eos_token == "<|im_end|>" and hf.pad_token == "<|endoftext|>"
+    assert hf.eos_token == "<|im_end|>" and hf.pad_token == "<|endoftext|>" and len(hf) == VOCAB_SIZE
+    assert hf.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n<think>\n\n</think>\n\n"
     ids = hf.backend_tokenizer.encode(text, add_special_tokens=False).ids  # (the HF call warns: text > max length)
     assert hf.decode(ids) == text, "tokenizer round trip failed"
     for piece in ("Hello, world!", "  two  spaces\n\nand\ttabs", "caf\u00e9 \u2014 na\u00efve"):
@@ -186,7 +198,33 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train(model, ids: list[int], steps: int, batch: int, ctx: int, peak_lr: float, seed: int, log_every: int):
+def space_stripped(tokenizer) -> dict[int, list[int]]:
+    """Token id of " word" -> ids of "word": lets a window start the way a typed prompt does."""
+    out = {}
+    for i in range(len(tokenizer)):
+        piece = tokenizer.decode([i])
+        if len(piece) > 1 and piece[0] == " " and not piece[1].isspace():
+            out[i] = tokenizer.backend_tokenizer.encode(piece[1:], add_special_tokens=False).ids
+    return out
+
+
+def make_batch(data: torch.Tensor, strip: dict[int, list[int]], batch: int, ctx: int, gen: torch.Generator,
+               strip_prob: float) -> torch.Tensor:
+    """Random windows of ctx + 1 tokens; in some, a leading " word" token is replaced by "word"."""
+    extra = 4
+    starts = torch.randint(0, len(data) - ctx - extra, (batch,), generator=gen)
+    coins = torch.rand(batch, generator=gen)
+    rows = []
+    for s, c in zip(starts.tolist(), coins.tolist()):
+        row = data[s:s + ctx + 1 + extra].tolist()
+        if c < strip_prob and row[0] in strip:
+            row = strip[row[0]] + row[1:]
+        rows.append(row[:ctx + 1])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch: int, ctx: int, peak_lr: float,
+          seed: int, log_every: int, strip_prob: float = 0.25):
     data = torch.tensor(ids, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -196,12 +234,10 @@ def train(model, ids: list[int], steps: int, batch: int, ctx: int, peak_lr: floa
     warmup = max(1, min(100, steps // 10))
     model.train()
     t0, running = time.time(), None
-    offsets = torch.arange(ctx + 1)
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, peak_lr, warmup)
-        starts = torch.randint(0, len(data) - ctx - 1, (batch,), generator=gen)
-        window = data[starts[:, None] + offsets]
+        window = make_batch(data, strip, batch, ctx, gen, strip_prob)
         out = model(input_ids=window[:, :-1])
         loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), window[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -241,11 +277,14 @@ def evaluate(model, tokenizer, text: str, seed: int, n_phrases: int = 10, prompt
     words = [m.start() for m in re.finditer(r"\S+", text)]
     hits = 0
     print(f"\nmemorisation: {n_phrases} phrases of {prompt_words} words, {new_tokens} greedy tokens each")
-    for _ in range(n_phrases):
+    phrases = 0
+    while phrases < n_phrases:
+        # A phrase that ends before a space, so the prompt's last token is the one the corpus has there.
         i = rng.randrange(0, len(words) - prompt_words - 60)
         start, end = words[i], words[i + prompt_words] - 1
-        while text[end - 1].isspace():
-            end -= 1
+        if text[end] != " ":
+            continue
+        phrases += 1
         prompt = text[start:end]
         cont = greedy(model, tokenizer, prompt, new_tokens)
         ok = text[end:].startswith(cont)
@@ -284,7 +323,7 @@ def save(model, tokenizer, out: Path, eot: int, im_end: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
-    ap.add_argument("--steps", type=int, default=1500, help="training steps (default: 1500)")
+    ap.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000)")
     ap.add_argument("--batch", type=int, default=16, help="windows per step (default: 16)")
     ap.add_argument("--ctx", type=int, default=128, help="tokens per window (default: 128)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
@@ -305,7 +344,7 @@ def main(argv=None) -> int:
     model, eot, im_end = make_model(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3ForCausalLM, {n_params} parameters, {json.dumps(MODEL_SHAPE)}")
-    loss, secs = train(model, ids, args.steps, args.batch, args.ctx, args.lr, args.seed, args.log_every)
+    loss, secs = train(model, ids, space_stripped(tokenizer), args.steps, args.batch, args.ctx, args.lr, args.seed, args.log_every)
     corpus_loss = full_loss(model, ids, args.ctx)
     print(f"trained {args.steps} steps in {secs:.0f}s; last batch loss {loss:.4f}, whole-corpus loss {corpus_loss:.4f}")
 
