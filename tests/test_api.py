@@ -16,7 +16,8 @@ sys.path.insert(0, {root!r})
 from tp_engine import LLM, SamplingParams
 llm = LLM(model={model!r}, device="cpu")
 outs = llm.generate({prompts!r}, SamplingParams(max_new_tokens=6))
-print("RESULT", llm.tp.rank, json.dumps(outs))
+with open({out!r} + str(llm.tp.rank), "w") as f:  # one file per rank: stdout lines of ranks can interleave
+    json.dump(outs, f)
 llm.shutdown()
 """
 
@@ -24,14 +25,13 @@ llm.shutdown()
 def test_python_api_under_torchrun(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     script = tmp_path / "user_script.py"
-    script.write_text(API_SCRIPT.format(root=str(ROOT), model=str(model), prompts=PROMPTS))
+    script.write_text(API_SCRIPT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=str(tmp_path / "rank")))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                            str(script)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
-    assert json.loads(results["1"]) is None  # other ranks follow rank 0 and get None
-    outs = json.loads(results["0"])
+    assert json.loads((tmp_path / "rank1").read_text()) is None  # other ranks follow rank 0 and get None
+    outs = json.loads((tmp_path / "rank0").read_text())
     _, cli = run_cli({"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 6}}, tmp_path)
     assert [o["output_token_ids"] for o in outs] == [c["output_token_ids"] for c in cli]
 

@@ -24,6 +24,7 @@ class Batch:
     page_tables: list[list[int]]  # [B] pages of each request, in order
     last_indices: torch.Tensor  # [B] row of each request's last token in the packed N rows
     plan: dict[str, Any] = field(default_factory=dict)  # what the attention backend prepared for this batch
+    page_ids: torch.Tensor | None = None  # CPU int64: page_tables concatenated (set by decode_message)
 
     @property
     def size(self) -> int:

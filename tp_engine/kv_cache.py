@@ -12,7 +12,10 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.data = torch.zeros(num_layers, num_pages, 2, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        # One extra page past the pool, never handed out: padded rows of a CUDA-graph batch write there.
+        self.scratch_page = num_pages
+        self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, kv_heads, head_dim, dtype=dtype,
+                                device=device)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -57,6 +57,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if not rows:
         return greedy
     dev = logits.device
+    if logits.is_cuda and logits.dtype == torch.float32 and all(
+            params[i].top_k == 0 and params[i].top_p >= 1 for i in rows):
+        from tp_engine.layers import fused_ops
+        ops = fused_ops(dev)
+        if ops is not None:  # the same draw in one pass over the logits (layers/triton_ops.py)
+            row_hash = _hash32(_hash32(torch.tensor([seeds[i] for i in rows], device=dev) & _M32)
+                               ^ (torch.tensor([steps[i] for i in rows], device=dev) & _M32))
+            temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=dev)
+            rows_t = torch.tensor(rows, device=dev)
+            if logits.stride(-1) != 1:
+                logits = logits.contiguous()
+            greedy[rows_t] = ops.gumbel_argmax(logits, rows_t, temps, row_hash)
+            return greedy
     x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
     top_k = [params[i].top_k for i in rows]
     if any(top_k):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tp_engine.context import Batch
@@ -29,10 +30,16 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str | None = None
+    pages_cache: tuple | None = field(default=None, repr=False)  # see _page_array
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_ids) without building the list (called per request per step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass
@@ -104,7 +111,8 @@ class Scheduler:
         ids, pos, loc, seq, ext, npages, pages = [], [], [], [], [], [], []
         S = self.page_size
         for r in plan.reqs:
-            toks = r.all_ids[r.num_cached:] if plan.is_prefill else r.all_ids[-1:]
+            toks = r.all_ids[r.num_cached:] if plan.is_prefill else \
+                (r.output_ids[-1:] if r.output_ids else r.prompt_ids[-1:])
             start = r.num_cached
             ids += toks
             positions = range(start, start + len(toks))
@@ -113,9 +121,11 @@ class Scheduler:
             seq.append(start + len(toks))
             ext.append(len(toks))
             npages.append(len(r.pages))
-            pages += r.pages
-        header = [STEP, int(plan.is_prefill), len(plan.reqs), len(ids)]
-        return torch.tensor(header + ids + pos + loc + seq + ext + npages + pages, dtype=torch.int64)
+            pages.append(_page_array(r))
+        head = np.array([STEP, int(plan.is_prefill), len(plan.reqs), len(ids)] + ids + pos + loc + seq + ext + npages,
+                        dtype=np.int64)
+        # the page tables are most of the message: joined from per-request arrays, not converted int by int
+        return torch.from_numpy(np.concatenate([head, *pages]))
 
     # ---- after sampling ----
 
@@ -123,12 +133,12 @@ class Scheduler:
         """Append each request's new token; return the requests that finished (their pages are freed)."""
         done = []
         for r, tok in zip(plan.reqs, tokens):
-            r.num_cached = len(r.all_ids)
+            r.num_cached = r.num_tokens
             r.output_ids.append(tok)
             p = r.params
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 r.finish_reason = "stop"
-            elif len(r.output_ids) >= p.max_new_tokens or len(r.all_ids) >= self.max_len:
+            elif len(r.output_ids) >= p.max_new_tokens or r.num_tokens >= self.max_len:
                 r.finish_reason = "length"
             if r.finish_reason:
                 done.append(r)
@@ -141,6 +151,15 @@ class Scheduler:
             self.alloc.release(r.pages)
             r.pages = []
         return reqs
+
+
+def _page_array(r: Request) -> np.ndarray:
+    """r.pages as an int64 array, rebuilt only when the list changed (it grows one page per page_size steps).
+    The cache keeps the list object itself, so a new list can never be mistaken for it."""
+    cached = r.pages_cache
+    if cached is None or cached[0] is not r.pages or cached[1] != len(r.pages):
+        cached = r.pages_cache = (r.pages, len(r.pages), np.array(r.pages, dtype=np.int64))
+    return cached[2]
 
 
 def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
@@ -156,8 +175,16 @@ def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
     for n in npages:
         tables.append(flat[o:o + n])
         o += n
-    last = torch.tensor(ext).cumsum(0) - 1
-    return Batch(bool(is_prefill), ids.to(device), pos.to(device), loc.to(device), seq, ext, tables, last.to(device))
+    if device.type == "cpu":
+        last = torch.tensor(ext).cumsum(0) - 1
+    else:  # one host-to-device copy instead of four
+        host = np.empty(3 * N + B, dtype=np.int64)
+        host[:3 * N] = vals[:3 * N].numpy()
+        np.cumsum(ext, out=host[3 * N:])
+        host[3 * N:] -= 1
+        dev = torch.from_numpy(host).to(device)
+        ids, pos, loc, last = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:]
+    return Batch(bool(is_prefill), ids, pos, loc, seq, ext, tables, last, page_ids=vals[3 * N + 3 * B:])
 
 
 def stop_message() -> torch.Tensor:

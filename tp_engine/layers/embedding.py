@@ -7,7 +7,7 @@ from torch import nn
 
 from tp_engine.context import get_context
 from tp_engine.distributed import all_reduce, gather_to_rank0, get_tp
-from tp_engine.layers.linear import check_shape
+from tp_engine.layers.linear import check_shape, matmul
 
 PAD_TO = 64  # each rank's slice is a multiple of 64 rows, which keeps the matmul aligned
 
@@ -48,5 +48,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         ctx = get_context()
         if ctx is not None and ctx.batch.is_prefill:
             hidden = hidden[ctx.batch.last_indices]  # prefill: one row per request, not per token
-        logits = gather_to_rank0(F.linear(hidden, self.weight), self.tp)
+        logits = gather_to_rank0(matmul(hidden, self.weight), self.tp)
         return None if logits is None else logits[:, : self.vocab_size]

@@ -11,6 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_engine.distributed import all_reduce, get_tp
+from tp_engine.layers.norm import fused_ops
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (layers/triton_ops.py)."""
+    if bias is None and x.is_cuda:
+        ops = fused_ops(x.device)
+        if ops is not None:
+            return ops.linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def check_shape(src, expected: tuple[int, ...]) -> None:
@@ -53,7 +63,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(src.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -121,6 +131,6 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(src.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(matmul(x, self.weight), self.tp)
         # The bias is added after the reduction so it counts once, not once per rank.
         return y if self.bias is None else y + self.bias

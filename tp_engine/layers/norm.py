@@ -4,6 +4,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_FUSED: dict[str, object] = {}
+
+
+def fused_ops(device: torch.device):
+    """The fused Triton kernels (layers/triton_ops.py) for tensors on `device`, or None: CPU tensors, no
+    Triton, or TP_ENGINE_TRITON=0. The CPU path never imports Triton."""
+    if device.type != "cuda":
+        return None
+    if "ops" not in _FUSED:
+        from tp_engine.layers import triton_ops
+        _FUSED["ops"] = triton_ops if triton_ops.available() and triton_ops.self_test(device) else None
+    return _FUSED["ops"]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -19,6 +32,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the first call of a model passes no residual."""
+        ops = fused_ops(x.device)
+        if ops is not None and x.dtype == self.weight.dtype:
+            return ops.add_rmsnorm(x, residual, self.weight, self.eps)  # the same arithmetic in one kernel
         if residual is not None:
             x = x + residual
         return self.norm(x), x

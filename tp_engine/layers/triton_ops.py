@@ -9,6 +9,8 @@ where torch would), so swapping one for the other changes results only through t
 - `silu_mul`: silu(gate) * up of the MLP.
 - `gumbel_argmax`: the sampler's temperature + hashed Gumbel noise + argmax (sampler.py), reading the
   logits once instead of materialising [B, vocab] int64 noise.
+- `linear`: a batch-1 matmul through a GEMV kernel for the weight shapes where that measures faster
+  than cuBLAS (the choice is made once per shape, by timing both).
 
 Only imported on CUDA; `available()` says whether Triton can be used (TP_ENGINE_TRITON=0 turns it off).
 """
@@ -43,6 +45,47 @@ def available() -> bool:
     return triton is not None and os.environ.get("TP_ENGINE_TRITON", "1") != "0"
 
 
+def self_test(device: torch.device) -> bool:
+    """Compile and run each kernel once on small inputs against the torch ops; False (and a warning) if any
+    fails, so the engine falls back to the torch code instead of failing."""
+    import logging
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        dt = torch.bfloat16
+        x = torch.randn(3, 256, device=device, generator=g).to(dt)
+        r = torch.randn(3, 256, device=device, generator=g).to(dt)
+        w = torch.randn(256, device=device, generator=g).to(dt)
+        out, res = add_rmsnorm(x, r, w, 1e-6)
+        h = (x + r).float()
+        ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt)
+        tol = dict(atol=5e-2, rtol=5e-2)  # catches broken kernels; the tests check exactness
+        torch.testing.assert_close(out, ref, **tol)
+        a, b = x.chunk(2, dim=-1)
+        torch.testing.assert_close(silu_mul(x), torch.nn.functional.silu(a) * b, **tol)
+        logits = torch.randn(2, 5000, device=device, generator=g)
+        got = gumbel_argmax(logits, torch.tensor([1], device=device), torch.tensor([1.0], device=device),
+                            torch.tensor([12345], device=device))
+        assert 0 <= int(got[0]) < 5000
+        cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)
+        qkv = torch.randn(2, 3 * 128, device=device, generator=g).to(dt)
+        cos = torch.ones(8, 128, device=device)
+        sin = torch.zeros(8, 128, device=device)
+        ones = torch.ones(128, device=device, dtype=dt)
+        rows = torch.tensor([0, 9], device=device)  # slots 0 (page 0) and 5 (page 1, offset 1)
+        q = qk_norm_rope_store(qkv, ones, ones, 1e-6, cos, sin, torch.tensor([0, 1], device=device), rows, cache,
+                               1, 1, 128, 4)
+        qf = qkv[:, :128].float()
+        torch.testing.assert_close(q[:, 0], (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), **tol)
+        assert torch.equal(cache[1, 1, 1, 0], qkv[1, 256:])
+        torch.cuda.synchronize(device)
+        return True
+    except Exception as e:  # a broken kernel must not take the engine down: the torch ops still work
+        logging.getLogger("tp_engine").warning("fused Triton kernels disabled (self-test failed: %s: %s)",
+                                               type(e).__name__, e)
+        return False
+
+
 if triton is not None:
     if PRECISE:
         @triton.jit
@@ -70,6 +113,19 @@ if triton is not None:
             return 1.0 / tl.sqrt(x)
 
     @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """fp32 -> the nearest DT value (ties to even), still held in fp32: a rounding step of the torch
+        reference. Done on the bits for bf16, so the compiler cannot drop it as a no-op round trip."""
+        if DT == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+        elif DT == tl.float32:
+            return x
+        else:
+            return x.to(DT).to(tl.float32)
+
+    @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, inv_n, eps,
                             x_stride, res_stride, out_stride, res_out_stride,
                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -77,15 +133,16 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        DT = x.dtype
+        xf = x.to(tl.float32)
         if HAS_RES:
             r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * res_out_stride + cols, x, mask=mask)
-        xf = x.to(tl.float32)
+            xf = _round(xf + r.to(tl.float32), DT)
+            tl.store(res_out_ptr + row * res_out_stride + cols, xf.to(DT), mask=mask)
         rstd = _rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
-        y = (xf * rstd).to(x.dtype)
+        y = _round(xf * rstd, DT)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out = _round(w.to(tl.float32) * y, DT).to(DT)
         tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
     @triton.jit
@@ -99,7 +156,7 @@ if triton is not None:
         src = qkv_ptr + t * qkv_stride + hd * D
         a = tl.load(src + i)
         b = tl.load(src + HALF + i)
-        dt = a.dtype
+        DT = a.dtype
         if hd < H + KVH:
             if hd < H:
                 w1 = tl.load(qw_ptr + i).to(tl.float32)
@@ -111,14 +168,14 @@ if triton is not None:
             x2 = b.to(tl.float32)
             rstd = _rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * inv_d + eps)
             # RMSNorm: normalise in fp32, round, scale by the weight, round (as layers/norm.py)
-            y1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            y2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y1 = _round(w1 * _round(x1 * rstd, DT), DT)
+            y2 = _round(w2 * _round(x2 * rstd, DT), DT)
             # RoPE, rotate-half form, each product and the sum rounded (as layers/rotary.py)
             pos = tl.load(pos_ptr + t)
-            c = tl.load(cos_ptr + pos * D + i).to(dt).to(tl.float32)
-            s = tl.load(sin_ptr + pos * D + i).to(dt).to(tl.float32)
-            o1 = ((y1 * c).to(dt).to(tl.float32) + (-y2 * s).to(dt).to(tl.float32)).to(dt)
-            o2 = ((y2 * c).to(dt).to(tl.float32) + (y1 * s).to(dt).to(tl.float32)).to(dt)
+            c = _round(tl.load(cos_ptr + pos * D + i), DT)
+            s = _round(tl.load(sin_ptr + pos * D + i), DT)
+            o1 = _round(_round(y1 * c, DT) + _round(-y2 * s, DT), DT).to(DT)
+            o2 = _round(_round(y2 * c, DT) + _round(y1 * s, DT), DT).to(DT)
             if hd < H:
                 dst = q_out_ptr + (t * H + hd) * D
             else:
@@ -140,8 +197,8 @@ if triton is not None:
         g = tl.load(x_ptr + t * x_stride + cols, mask=mask, other=0.0)
         u = tl.load(x_ptr + t * x_stride + n + cols, mask=mask, other=0.0)
         gf = g.to(tl.float32)
-        s = tl.math.div_rn(gf, 1.0 + _exp(-gf)).to(g.dtype)
-        out = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        s = _round(tl.math.div_rn(gf, 1.0 + _exp(-gf)), g.dtype)
+        out = _round(s * u.to(tl.float32), g.dtype).to(g.dtype)
         tl.store(out_ptr + t * out_stride + cols, out, mask=mask)
 
     @triton.jit
@@ -167,6 +224,22 @@ if triton is not None:
         best, arg = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(val_ptr + r * num_chunks + chunk, best)
         tl.store(idx_ptr + r * num_chunks + chunk, (chunk * BLOCK + arg).to(tl.int64))
+
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, w_stride, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        base = w_ptr + rows[:, None].to(tl.int64) * w_stride
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            w = tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 def _warps(block: int) -> int:
@@ -251,3 +324,60 @@ def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.
                                        chunks, BLOCK=GUMBEL_BLOCK, num_warps=8)
     # the first chunk holding the maximum has the lowest ids: the same tie-break as torch.argmax
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+# ---- batch-1 matmul ----
+# cuBLAS reads small weight matrices at one token far below the memory bandwidth (its tiles launch too few
+# blocks); a plain GEMV kernel does better on some shapes. Each weight shape picks the faster of the two
+# once, on first use, by timing both (never inside a CUDA-graph capture: GraphRunner warms every bucket up
+# before capturing it, so the choice is made by then).
+
+GEMV_CONFIGS = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8)]
+_GEMV_CHOICE: dict = {}
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
+    bn, bk, warps = cfg
+    n, k = w.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, w.stride(0), K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def _time(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _choose(x: torch.Tensor, w: torch.Tensor):
+    import torch.nn.functional as F
+    best, best_t = "torch", _time(lambda: F.linear(x, w))
+    for cfg in GEMV_CONFIGS:
+        try:
+            t = _time(lambda: _gemv(x, w, cfg))
+        except Exception:  # a config this shape or GPU cannot run
+            continue
+        if t < best_t * 0.95:
+            best, best_t = cfg, t
+    return best
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for x [M, K], w [N, K]; at M == 1 through whichever of cuBLAS and the GEMV kernel is faster."""
+    import torch.nn.functional as F
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != w.dtype or not x.is_contiguous() or w.stride(1) != 1:
+        return F.linear(x, w)
+    key = (tuple(w.shape), w.dtype, x.device.index)
+    cfg = _GEMV_CHOICE.get(key)
+    if cfg is None:
+        if torch.cuda.is_current_stream_capturing():
+            return F.linear(x, w)
+        cfg = _GEMV_CHOICE[key] = _choose(x, w)
+    return F.linear(x, w) if cfg == "torch" else _gemv(x, w, cfg)

@@ -7,7 +7,7 @@ from torch import nn
 from tp_engine.config import ModelConfig
 from tp_engine.context import get_context
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, fused_ops)
 
 
 class Qwen3Attention(nn.Module):
@@ -23,7 +23,12 @@ class Qwen3Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
+        qkv = self.qkv_proj(x)
+        if getattr(ctx.attn, "fuses_qkv", False):
+            # GPU: Q/K norm, RoPE and the K/V write in one kernel, then attention (same arithmetic as below)
+            o = ctx.attn.forward_qkv(self.layer_id, qkv, self, ctx.kv_cache, ctx.batch)
+            return self.o_proj(o.reshape(-1, h * d))
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         q = self.q_norm.norm(q.reshape(-1, h, d))
         k = self.k_norm.norm(k.reshape(-1, kvh, d))
         q, k = self.rotary(ctx.batch.positions, q, k)
@@ -38,7 +43,11 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up.device)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))  # silu(gate) * up in one kernel
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

@@ -1,0 +1,554 @@
+"""Benchmarks of the engine (and of HF transformers on the same workload), one JSON line on stdout.
+
+    python launch/bench.py --model configs/models/qwen3-0.6b --workload latency
+    torchrun --nproc_per_node=2 launch/bench.py --model configs/models/qwen3-8b --workload all \\
+        --write-checkpoint /tmp/qwen3-8b-random
+
+Workloads (comma-separated, or `all`):
+  latency     batch 1, 128 prompt tokens, 256 new tokens, greedy, ignore_eos: decode tok/s, ms/step and
+              the weight bandwidth achieved (bytes of weights per rank / step time)
+  throughput  256 requests, prompt and output lengths uniform in [100, 1024], temperature 0.6, ignore_eos,
+              fixed seed: output tok/s over the whole run (after a warm-up), TTFT and TPOT percentiles
+  load        with --write-checkpoint: seconds to build the engine from the safetensors on disk
+
+--engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
+workloads: the same latency request (--hf-new-tokens new tokens), and for throughput the first
+--hf-requests requests as one left-padded batch with --hf-max-new new tokens each.
+
+Weights are random: `load_format: dummy` from config.json, or a checkpoint written by --write-checkpoint
+DIR (bf16 safetensors in HF names, sharded, with an index), which the engine then loads from disk.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tp_engine import config as C  # noqa: E402
+from tp_engine import distributed as tpd  # noqa: E402
+from tp_engine.engine import Engine  # noqa: E402
+from tp_engine.sampler import SamplingParams  # noqa: E402
+from tp_engine.scheduler import Request  # noqa: E402
+
+log = logging.getLogger("tp_engine")
+HBM_BYTES_PER_S = 4.2e12  # device-to-device copy measured on the H200 (bytes read + written)
+SHARD_BYTES = 4 << 30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="directory with config.json (public Qwen3 shapes in configs/models)")
+    p.add_argument("--workload", default="latency", help="latency, throughput, load (comma-separated) or all")
+    p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine config override, e.g. --set cuda_graph=false")
+    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random bf16 checkpoint here (if absent) and load it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--hf-new-tokens", type=int, default=None, help="HF latency run length (default --new-tokens)")
+    p.add_argument("--hf-requests", type=int, default=32, help="HF throughput: this many requests as one batch")
+    p.add_argument("--hf-max-new", type=int, default=128, help="HF throughput: new tokens per request (capped)")
+    p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
+    p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
+    p.add_argument("--out", help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+# ---- utilities ----
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def model_bytes(cfg: dict, bytes_per_param: int = 2) -> int:
+    """Bytes of all weights of the full model (tied embeddings counted once)."""
+    return sum(n for _, shape in checkpoint_tensors(cfg) for n in [prod(shape) * bytes_per_param])
+
+
+def prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def checkpoint_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a Qwen3 checkpoint in HF naming."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // q
+    out = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for n in range(L):
+        pre = f"model.layers.{n}."
+        out += [(pre + "input_layernorm.weight", (h,)), (pre + "post_attention_layernorm.weight", (h,)),
+                (pre + "self_attn.q_proj.weight", (q * d, h)), (pre + "self_attn.k_proj.weight", (kv * d, h)),
+                (pre + "self_attn.v_proj.weight", (kv * d, h)), (pre + "self_attn.o_proj.weight", (h, q * d)),
+                (pre + "self_attn.q_norm.weight", (d,)), (pre + "self_attn.k_norm.weight", (d,)),
+                (pre + "mlp.gate_proj.weight", (i, h)), (pre + "mlp.up_proj.weight", (i, h)),
+                (pre + "mlp.down_proj.weight", (h, i))]
+    out.append(("model.norm.weight", (h,)))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (cfg["vocab_size"], h)))
+    return out
+
+
+def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
+    """Random bf16 safetensors shards + index + config.json; each rank writes every world-th shard.
+    Returns the seconds this took (0 when the directory already holds a complete checkpoint)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    index = out / "model.safetensors.index.json"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    done = index.is_file()
+    if world > 1:
+        done = tpd.all_gather_object(done)[0]
+    if done:
+        return 0.0
+    t0 = time.perf_counter()
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    tensors = checkpoint_tensors(cfg)
+    shards, cur, size = [], [], 0
+    for name, shape in tensors:
+        n = prod(shape) * 2
+        if cur and size + n > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += n
+    shards.append(cur)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator(device=dev)
+    for k, shard in enumerate(shards):
+        if k % world != rank():
+            continue
+        data = {}
+        for name, shape in shard:
+            if len(shape) == 1:
+                data[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                gen.manual_seed(seed * 1_000_003 + hash_name(name))
+                data[name] = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 0.02,
+                                                                                         generator=gen).cpu()
+        save_file(data, str(out / files[k]), metadata={"format": "pt"})
+        del data
+    if rank() == 0:
+        total = sum(prod(s) * 2 for _, s in tensors)
+        weight_map = {name: files[k] for k, shard in enumerate(shards) for name, _ in shard}
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if world > 1:
+        tpd.all_gather_object(True)  # every rank waits until all shards and the index exist
+    return time.perf_counter() - t0
+
+
+def hash_name(name: str) -> int:
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % 1_000_000_007
+    return h
+
+
+def run_requests(engine: Engine, requests: list[Request], on_token=None, on_finish=None) -> None:
+    """Rank 0 runs the requests; the other ranks follow its steps."""
+    if engine.tp.is_first:
+        engine.run(requests, on_token, on_finish)
+    else:
+        engine.follow()
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def throughput_requests(args, vocab: int, n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, o = rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len)
+        out.append((random_ids(rng, p, vocab), o))
+    return out
+
+
+# ---- our engine ----
+
+def bench_latency(engine: Engine, args, res: dict) -> None:
+    vocab = engine.model_cfg.vocab_size
+    prompt = random_ids(random.Random(args.seed), args.prompt_len, vocab)
+
+    def one(n_new: int, on_token=None) -> list[float]:
+        times: list[float] = []
+
+        def tok(r):
+            times.append(time.perf_counter())
+            if on_token is not None:
+                on_token(r)
+        req = Request(0, list(prompt), SamplingParams(max_new_tokens=n_new, ignore_eos=True, seed=args.seed))
+        run_requests(engine, [req], tok)
+        return times
+
+    one(32)  # warm-up
+    times = one(args.new_tokens)
+    if engine.tp.is_first:
+        step = (times[-1] - times[0]) / (len(times) - 1)
+        wb = engine.weight_bytes()
+        res["latency"] = {
+            "decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3),
+            "weight_bytes_per_rank": wb, "bandwidth_tb_s": round(wb / step / 1e12, 3),
+            "floor_ms_per_step": round(wb / HBM_BYTES_PER_S * 1e3, 3),
+            "floor_tok_s": round(HBM_BYTES_PER_S / wb, 1),
+            "fraction_of_floor": round(wb / HBM_BYTES_PER_S / step, 3),
+            "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens,
+        }
+    plans = getattr(engine.attn, "_fast_plans", {})
+    if engine.tp.is_first and plans:
+        res["latency"]["direct_plan"] = sum(f is not None for f in plans.values()) == len(plans)
+    if args.profile:
+        breakdown = profile_decode(engine, one, min(args.new_tokens, 24))
+        if engine.tp.is_first:
+            lat = res["latency"]
+            if "gpu_busy" in breakdown:  # the profiler slows the host down: take the step time measured above
+                breakdown["step"] = round(lat["ms_per_step"] * 1e3, 1)
+                breakdown["host_not_overlapped"] = round(breakdown["step"] - breakdown["gpu_busy"], 1)
+            lat["breakdown_per_step_us"] = breakdown
+
+
+def profile_decode(engine: Engine, one, n_new: int) -> dict:
+    """Per decode step: GPU time by kernel family (torch.profiler) and the host time not covered by kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    started = []
+
+    def on_token(r):
+        if not started:  # after the prefill step: profile decode steps only
+            sync()
+            prof.start()
+            started.append(1)
+
+    times = one(n_new, on_token if engine.tp.is_first else None)
+    if not engine.tp.is_first:
+        return {}
+    sync()
+    prof.stop()
+    steps = len(times) - 1
+    families = {"attention": 0.0, "matmul": 0.0, "all_reduce": 0.0, "norm_rope_act": 0.0, "other": 0.0}
+    names: dict[str, float] = {}
+    try:
+        for e in prof.events():
+            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+            n = e.name
+            names[n] = names.get(n, 0.0) + us
+            low = n.lower()
+            if any(k in low for k in ("prefill", "decode", "merge", "attention", "flashinfer")):
+                families["attention"] += us
+            elif any(k in low for k in ("nccl", "all_reduce", "allreduce", "one_shot", "symm")):
+                families["all_reduce"] += us
+            elif any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "gemv", "cublas", "splitk", "sm90_")):
+                families["matmul"] += us
+            elif any(k in low for k in ("rmsnorm", "qk_norm", "silu", "gumbel")):
+                families["norm_rope_act"] += us
+            else:
+                families["other"] += us
+    except Exception as e:  # the breakdown is a diagnosis; never lose the run for it
+        return {"error": f"{type(e).__name__}: {e}"}
+    gpu = sum(families.values()) / steps
+    out = {k: round(v / steps, 1) for k, v in families.items()}
+    out.update({"gpu_busy": round(gpu, 1),
+                "top_kernels": {k[:80]: round(v / steps, 1) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]}})
+    return out
+
+
+class HostTimers:
+    """Wall time per phase of each step on every rank (rank 0 schedules; the others wait for its message,
+    so their `broadcast` time is mostly waiting). Installed by patching the functions the engine calls."""
+
+    def __init__(self, engine: Engine) -> None:
+        import tp_engine.engine as E
+        from tp_engine.scheduler import Scheduler
+
+        self.t: dict[str, float] = {}
+        self.patches = []
+        for owner, name, label in ((E.tpd, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
+                                   (Scheduler, "schedule", "schedule"), (Scheduler, "encode", "encode"),
+                                   (Scheduler, "update", "update"), (engine, "forward", "forward_launch"),
+                                   (engine, "sample", "sample_and_wait_gpu")):
+            self._wrap(owner, name, label)
+        if engine.graphs is not None:  # inside forward_launch: static inputs + page table + plan, and the plan
+            self._wrap(engine.graphs, "_load", "graph_inputs_and_plan")
+            self._wrap(engine.attn, "plan_graph_decode", "graph_plan")
+
+    def _wrap(self, owner, name, label) -> None:
+        orig = getattr(owner, name)
+        t = self.t
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                t[label] = t.get(label, 0.0) + time.perf_counter() - t0
+        self.patches.append((owner, name, orig, None))
+        setattr(owner, name, timed)
+
+    def remove(self) -> None:
+        for owner, name, orig, own in reversed(self.patches):
+            if isinstance(owner, type) or type(owner).__name__ == "module":
+                setattr(owner, name, orig)
+            else:  # an instance: drop the wrapper to uncover the class's method
+                delattr(owner, name)
+
+
+def host_profile(engine: Engine, args, res: dict) -> None:
+    """Latency request again, with the host phases of each step timed on every rank."""
+    prompt = random_ids(random.Random(args.seed), args.prompt_len, engine.model_cfg.vocab_size)
+    timers = HostTimers(engine)
+    try:
+        t0 = time.perf_counter()
+        req = Request(0, list(prompt), SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed))
+        run_requests(engine, [req])
+        wall = time.perf_counter() - t0
+    finally:
+        timers.remove()
+    steps = args.new_tokens + 1  # the prefill step, the decode steps and the stop message
+    mine = {k: round(v / steps * 1e6, 1) for k, v in timers.t.items()}
+    mine["wall_per_step"] = round(wall / steps * 1e6, 1)
+    per_rank = tpd.all_gather_object(mine) if engine.tp.size > 1 else [mine]
+    if engine.tp.is_first:
+        res["latency"]["host_us_per_step"] = {f"rank{r}": d for r, d in enumerate(per_rank)}
+
+
+def bench_throughput(engine: Engine, args, res: dict) -> None:
+    vocab = engine.model_cfg.vocab_size
+
+    def make(specs, base):
+        return [Request(base + k, list(ids), SamplingParams(temperature=args.temperature, max_new_tokens=o,
+                                                            ignore_eos=True, seed=args.seed))
+                for k, (ids, o) in enumerate(specs)]
+
+    warm = throughput_requests(args, vocab, 32, args.seed + 1)
+    run_requests(engine, make([(ids[:200], 48) for ids, _ in warm], 10_000))  # warm-up: prefill + graph buckets
+    specs = throughput_requests(args, vocab, args.num_requests, args.seed)
+    reqs = make(specs, 0)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+
+    def on_token(r):
+        if len(r.output_ids) == 1:
+            first[r.index] = time.perf_counter()
+
+    def on_finish(r):
+        last[r.index] = time.perf_counter()
+
+    t0 = time.perf_counter()
+    run_requests(engine, reqs, on_token, on_finish)
+    wall = time.perf_counter() - t0
+    if not engine.tp.is_first:
+        return
+    n_out = sum(len(r.output_ids) for r in reqs)
+    ttft = [first[r.index] - t0 for r in reqs]
+    tpot = [(last[r.index] - first[r.index]) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    res["throughput"] = {
+        "output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "output_tokens": n_out,
+        "total_tok_s": round((n_out + sum(len(r.prompt_ids) for r in reqs)) / wall, 1),
+        "ttft_s": {f"p{q}": round(pct(ttft, q), 4) for q in (50, 90, 99)},
+        "tpot_ms": {f"p{q}": round(pct(tpot, q) * 1e3, 3) for q in (50, 90, 99)},
+        "preempted": engine.num_preempted,
+    }
+
+
+# ---- HF transformers on the same workloads ----
+
+def hf_model(model_dir: str, ckpt: str | None, tp: int):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if tp > 1:
+        if not ckpt:
+            raise ValueError("HF with TP > 1 needs a checkpoint on disk: pass --write-checkpoint DIR")
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, tp_plan="auto")
+    elif ckpt:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map={"": dev})
+    else:
+        cfg = Qwen3Config.from_pretrained(model_dir)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(dev):
+                model = Qwen3ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return model.eval(), dev
+
+
+def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, n: int) -> float:
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+    sync()
+    return time.perf_counter() - t0
+
+
+def bench_hf(args, cfg: dict, ckpt: str | None, workloads: set[str], res: dict, tp: int) -> None:
+    model, dev = hf_model(args.model, ckpt, tp)
+    vocab = cfg["vocab_size"]
+    out: dict = {}
+    if "latency" in workloads:
+        n = args.hf_new_tokens or args.new_tokens
+        prompt = random_ids(random.Random(args.seed), args.prompt_len, vocab)
+        ids = torch.tensor([prompt], device=dev)
+        mask = torch.ones_like(ids)
+        hf_generate(model, ids, mask, 4)  # warm-up
+        t1 = hf_generate(model, ids, mask, 1)
+        tn = hf_generate(model, ids, mask, n)
+        step = (tn - t1) / (n - 1)
+        out["latency"] = {"decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3), "new_tokens": n}
+    if "throughput" in workloads:
+        specs = throughput_requests(args, vocab, args.num_requests, args.seed)[: args.hf_requests]
+        width = max(len(p) for p, _ in specs)
+        ids = torch.zeros(len(specs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for k, (p, _) in enumerate(specs):  # left padding
+            ids[k, width - len(p):] = torch.tensor(p)
+            mask[k, width - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        gen = min(max(o for _, o in specs), args.hf_max_new)
+        hf_generate(model, ids, mask, 2)  # warm-up
+        ttft = hf_generate(model, ids, mask, 1)
+        total = hf_generate(model, ids, mask, gen)
+        useful = sum(min(o, gen) for _, o in specs)
+        out["throughput"] = {"output_tok_s": round(useful / total, 1), "seconds": round(total, 3),
+                             "requests": len(specs), "new_tokens_each": gen, "ttft_s": round(ttft, 4),
+                             "tpot_ms": round((total - ttft) / (gen - 1) * 1e3, 3)}
+    res["hf"] = out
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- main ----
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    workloads = {"latency", "throughput", "load"} if args.workload == "all" else set(args.workload.split(","))
+    if "load" in workloads and not args.write_checkpoint:
+        raise SystemExit("--workload load needs --write-checkpoint DIR")
+    cfg_json = json.loads((Path(args.model) / "config.json").read_text())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    res: dict = {"model": Path(args.model).name, "tp": world, "gpu": args.gpu, "workloads": sorted(workloads),
+                 "date": time.strftime("%Y-%m-%d"), "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "model_bytes": model_bytes(cfg_json)}
+    options = {"model": args.model, "load_format": "dummy", "seed": args.seed}
+    ckpt = None
+    engine = None
+    try:
+        if args.write_checkpoint:
+            if world > 1:  # the engine would join the ranks later; the writer needs them now
+                tpd.init_distributed(tpd.pick_device("auto"))
+            res["checkpoint_write_s"] = round(write_checkpoint(args.model, args.write_checkpoint, args.seed), 2)
+            ckpt = args.write_checkpoint
+            options.update(model=ckpt, load_format="auto")
+        if args.engine in ("ours", "both"):
+            cfg = C.build_config(None, args.overrides, **options)
+            t0 = time.perf_counter()
+            try:
+                engine = Engine(cfg)
+            except Exception as e:
+                if not cfg["cuda_graph"] or world > 1:
+                    raise
+                import traceback  # measure the eager path rather than nothing, and say why
+                traceback.print_exc()
+                res["cuda_graph_error"] = f"{type(e).__name__}: {e}"[:500]
+                gc.collect()
+                torch.cuda.empty_cache()
+                cfg["cuda_graph"] = False
+                t0 = time.perf_counter()
+                engine = Engine(cfg)
+            res["engine_init_s"] = round(time.perf_counter() - t0, 2)
+            res["load_s"] = round(engine.load_seconds, 2)
+            wb = engine.weight_bytes()
+            expect = model_bytes(cfg_json, torch.empty((), dtype=engine.dtype).element_size()) // world
+            res["weights"] = {"bytes_per_rank": wb, "model_bytes_over_tp": expect, "ratio": round(wb / expect, 4)}
+            if torch.cuda.is_available():
+                res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
+            res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
+            res["cuda_graph"] = engine.graphs is not None
+            from tp_engine.layers import fused_ops
+            res["fused_triton_kernels"] = fused_ops(engine.device) is not None
+            res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
+            res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
+            if "latency" in workloads:
+                bench_latency(engine, args, res)
+                if args.profile:
+                    host_profile(engine, args, res)
+            if "throughput" in workloads:
+                bench_throughput(engine, args, res)
+            del engine
+            engine = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            _checkpoint_results(args, res)
+        if args.engine in ("hf", "both") and workloads & {"latency", "throughput"}:
+            try:
+                bench_hf(args, cfg_json, ckpt, workloads, res, world)
+            except Exception as e:  # keep our figures when the baseline fails
+                res["hf"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        if rank() == 0:
+            line = json.dumps(res)
+            print(line, flush=True)
+            if args.out:
+                Path(args.out).write_text(line + "\n")
+        if dist.is_initialized():
+            try:
+                tpd.shutdown()
+            except Exception:
+                pass
+    return 0
+
+
+def _checkpoint_results(args, res: dict) -> None:
+    if args.out and rank() == 0:
+        Path(args.out).write_text(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""flashinfer attention over the paged KV cache (CUDA only).
+
+Prefill: `BatchPrefillWithPagedKVCacheWrapper` (ragged queries over paged K/V, causal). Decode:
+`BatchDecodeWithPagedKVCacheWrapper` with tensor cores. Both use the FA2 kernels, so one JIT-compiled
+module serves prefill, eager decode and the CUDA-graph decode wrappers (cuda_graph.py).
+
+`prepare(batch)` plans once per step (all layers share the plan); `forward` writes K/V into the pages
+(one index_copy_ each, no Python loop) and attends. `forward_qkv` is the fused path the model takes
+when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V write (layers/triton_ops.py).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from tp_engine.context import Batch
+
+WORKSPACE_BYTES = 512 << 20  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
+
+
+@dataclass
+class StepPlan:
+    wrapper: object  # the planned flashinfer wrapper this step runs
+    k_rows: torch.Tensor  # [N] int64: row of each new token's K in the layer cache viewed as [rows, kv_heads, d]
+    v_rows: torch.Tensor  # [N] int64: the same for V (k_rows + page_size)
+
+
+def page_ids(batch: Batch, page_size: int, seq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(pages each request uses [B], their ids concatenated) as int32 arrays.
+
+    Every table covers its request's tokens, so when the message's concatenated tables are exactly as long
+    as the pages in use, each table is exactly its request's pages and the concatenation can be used as is."""
+    seq = np.asarray(batch.seq_lens, dtype=np.int32) if seq is None else seq
+    npages = (seq + page_size - 1) // page_size
+    flat = getattr(batch, "page_ids", None)
+    if flat is not None and flat.numel() == int(npages.sum()):
+        return npages, flat.numpy().astype(np.int32)
+    ids = [p for t, n in zip(batch.page_tables, npages.tolist()) for p in t[:n]]
+    return npages, np.asarray(ids, dtype=np.int32)
+
+
+def page_metadata(batch: Batch, page_size: int) -> tuple[list[int], torch.Tensor, list[int]]:
+    """flashinfer's CSR page table of a batch: (pages per request, page ids int32, last page lengths)."""
+    seq = np.asarray(batch.seq_lens, dtype=np.int32)
+    npages, ids = page_ids(batch, page_size, seq)
+    last = seq - (npages - 1) * page_size
+    return npages.tolist(), torch.from_numpy(ids), last.tolist()
+
+
+def slot_rows(out_loc: torch.Tensor, page_size: int, k_rows: torch.Tensor | None = None,
+              v_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slot (page * page_size + offset) -> rows of K and V in a layer cache viewed as [pages*2*S, H, D]."""
+    k = torch.add(out_loc, torch.div(out_loc, page_size, rounding_mode="floor") * page_size, out=k_rows)
+    v = torch.add(k, page_size, out=v_rows)
+    return k, v
+
+
+class PlanGuard:
+    """plan() fills a pinned host buffer and queues its copy to the GPU; planning the same wrapper again
+    before that copy ran would overwrite what the GPU is about to read. Wait for the previous copy first."""
+
+    def __init__(self) -> None:
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def before(self, wrapper) -> None:
+        ev = self._events.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def after(self, wrapper) -> None:
+        ev = self._events.get(id(wrapper))
+        if ev is None:
+            ev = self._events[id(wrapper)] = torch.cuda.Event()
+        ev.record()
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype, max_batch: int = 256, num_pages: int = 0, **_) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.device, self.dtype = device, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = num_heads, num_kv_heads, head_dim, page_size
+        self.max_batch, self.num_pages = max_batch, num_pages
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                            use_tensor_cores=True)
+        self.guard = PlanGuard()
+        self._fast_plans: dict[int, object] = {}
+        from tp_engine.layers import fused_ops
+        self.ops = fused_ops(device)
+        self.fuses_qkv = self.ops is not None
+
+    # ---- planning, once per step ----
+
+    def prepare(self, batch: Batch) -> None:
+        npages, indices, last = page_metadata(batch, self.page_size)
+        kv_indptr = torch.tensor([0, *accumulate(npages)], dtype=torch.int32)
+        last_len = torch.tensor(last, dtype=torch.int32)
+        if batch.is_prefill:
+            qo_indptr = torch.tensor([0, *accumulate(batch.extend_lens)], dtype=torch.int32)
+            wrapper = self.prefill_wrapper
+            self.guard.before(wrapper)
+            wrapper.plan(qo_indptr, kv_indptr, indices, last_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+        else:
+            wrapper = self.decode_wrapper
+            self.guard.before(wrapper)
+            wrapper.plan(kv_indptr, indices, last_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.guard.after(wrapper)
+        k_rows, v_rows = slot_rows(batch.out_loc, self.page_size)
+        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows)
+
+    def graph_decode_wrapper(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
+        """A decode wrapper for one CUDA-graph batch size (len(last_buf)), reading its page table from the
+        given static buffers, which plan() refills before every replay."""
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr_buf,
+            paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
+
+    def plan_graph_decode(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor,
+                          indices_dev: torch.Tensor) -> None:
+        """Plan a CUDA-graph decode wrapper whose page-table buffers the caller has already filled (kv_indptr
+        and kv_lens: int32 host copies of the indptr and the KV lengths; indices_dev: the page ids in use).
+
+        The first plan goes through `wrapper.plan`; later ones call the compiled planner directly with the
+        arguments `plan` would pass it, skipping the wrapper's Python-side checks and copies, which cost more
+        than the planning itself at small batch. The direct path is checked against the wrapper's own plan
+        once and not used when the two disagree (or TP_ENGINE_FAST_PLAN=0)."""
+        self.guard.before(wrapper)
+        fast = self._fast_plans.get(id(wrapper))
+        if fast is not None:
+            wrapper._plan_info = fast(kv_indptr, kv_lens)
+        else:
+            last = kv_lens - (kv_indptr[1:] - kv_indptr[:-1] - 1) * self.page_size
+            wrapper.plan(kv_indptr, indices_dev.cpu(), last, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
+            self._fast_plans[id(wrapper)] = self._make_fast_plan(wrapper, kv_indptr, kv_lens)
+        self.guard.after(wrapper)
+
+    def _make_fast_plan(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor):
+        if os.environ.get("TP_ENGINE_FAST_PLAN", "1") == "0":
+            return None
+        try:
+            if not (wrapper.is_cuda_graph_enabled and wrapper.use_tensor_cores and wrapper._backend == "fa2"
+                    and getattr(wrapper, "_jit_module", None) is None):
+                return None
+            module, bs = wrapper._cached_module, wrapper._fixed_batch_size
+            qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+            bufs = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                    wrapper._pin_memory_int_workspace_buffer)
+
+            def fast(indptr: torch.Tensor, lens: torch.Tensor):
+                return module.plan(*bufs, qo_indptr, indptr, lens, bs, bs, self.num_heads, self.num_kv_heads,
+                                   self.page_size, True, self.head_dim, self.head_dim, False, -1, -1, False, 0, 0)
+
+            self.guard.after(wrapper)
+            self.guard.before(wrapper)
+            if list(fast(kv_indptr, kv_lens)) != list(wrapper._plan_info):
+                return None
+            return fast
+        except Exception:  # another flashinfer release: the public plan() keeps working
+            return None
+
+    # ---- per layer ----
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+                batch: Batch) -> torch.Tensor:
+        """q: [N, heads, d], k/v: [N, kv_heads, d] -> [N, heads, d]; stores k/v in the cache first."""
+        plan: StepPlan = batch.plan["flashinfer"]
+        cache = kv_cache.layer(layer)
+        rows = cache.view(-1, self.num_kv_heads, self.head_dim)
+        rows.index_copy_(0, plan.k_rows, k.to(cache.dtype))
+        rows.index_copy_(0, plan.v_rows, v.to(cache.dtype))
+        return self._attend(plan, q.contiguous(), cache)
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
+        """The fused path: qkv [N, (heads + 2 kv_heads) * d] straight from the projection -> [N, heads, d].
+
+        `attn` is the model's attention module (q_norm, k_norm, rotary)."""
+        plan: StepPlan = batch.plan["flashinfer"]
+        cache = kv_cache.layer(layer)
+        q = self.ops.qk_norm_rope_store(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                        attn.rotary.cos, attn.rotary.sin, batch.positions, plan.k_rows, cache,
+                                        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        return self._attend(plan, q, cache)
+
+    def _attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return plan.wrapper.run(q, cache, out=torch.empty_like(q))

@@ -1,0 +1,181 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured once at start-up.
+
+A decode batch of B requests runs the graph of the smallest bucket >= B; the padded rows read a dummy
+token and write their K/V into the cache's scratch page, so they touch no request's pages. The graph
+holds the whole model step on this rank (embedding, layers with their all-reduces, final norm and the
+LM head matmul, with TP > 1 the all-gather of the vocab shards too), so rank 0 replays and reads logits.
+
+Each bucket has its own flashinfer decode wrapper (use_cuda_graph=True) whose page-table buffers are
+views of one static buffer shared by all buckets; `run` copies the step's page table into it (one copy),
+re-plans the wrapper and replays. Capture uses capture_error_mode="thread_local": the default mode hangs
+with NCCL on the machines this was measured on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tp_engine import distributed as tpd
+from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, page_ids, slot_rows
+from tp_engine.context import Batch, forward_context
+from tp_engine.kv_cache import pages_for
+from tp_engine.layers.linear import matmul
+
+log = logging.getLogger("tp_engine")
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, 64, 96, 128, then every 32, up to max_batch (always included)."""
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] + 32)
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class GraphRunner:
+    def __init__(self, engine, max_batch: int) -> None:
+        if not isinstance(engine.attn, FlashInferBackend):
+            raise ValueError("cuda_graph needs attention_backend flashinfer (or auto on CUDA); "
+                             "set cuda_graph: false to run the torch backend on CUDA")
+        t0 = time.perf_counter()
+        self.engine, self.model, self.attn, self.kv = engine, engine.model, engine.attn, engine.kv
+        self.tp = engine.tp
+        self.vocab = engine.model_cfg.vocab_size
+        dev, S = engine.device, self.kv.page_size
+        self.buckets = bucket_sizes(max_batch)
+        self.max_bs = self.buckets[-1]
+        self.allreduce = tpd.enable_fast_all_reduce(self.tp, engine.dtype)
+
+        # static inputs, shared by all buckets (a bucket of size b reads the first b rows); one row each for
+        # token ids, positions and KV slots, so that one copy fills all three
+        M = self.max_bs
+        self.pad_loc = self.kv.scratch_page * S
+        self.inputs = torch.zeros(3, M, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.out_loc = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.out_loc.fill_(self.pad_loc)
+        self.k_rows = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.v_rows = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.last_indices = torch.arange(M, device=dev)
+        # flashinfer's page table, [indptr (M + 1) | last page lengths (M) | page ids], in one device buffer
+        # filled by one copy per step: every page of the pool at most once, plus a scratch page per padded row
+        most = min(self.kv.num_pages, M * pages_for(engine.max_model_len, S)) + M
+        self.meta = torch.zeros(2 * M + 1 + most, dtype=torch.int32, device=dev)
+        self.host_meta = np.zeros(self.meta.numel(), dtype=np.int32)
+        self.indptr_buf, self.last_buf, self.indices_buf = self.meta[:M + 1], self.meta[M + 1:2 * M + 1], \
+            self.meta[2 * M + 1:]
+
+        self.wrappers, self.batches, self.graphs, self.outputs = {}, {}, {}, {}
+        for bs in self.buckets:
+            w = self.attn.graph_decode_wrapper(self.indptr_buf[:bs + 1], self.indices_buf, self.last_buf[:bs])
+            self.wrappers[bs] = w
+            plan = StepPlan(w, self.k_rows[:bs], self.v_rows[:bs])
+            self.batches[bs] = Batch(False, self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs],
+                                     [1] * bs, [1] * bs, [[self.kv.scratch_page]] * bs, self.last_indices[:bs],
+                                     plan={"flashinfer": plan})
+        self._capture()
+        if self.tp.is_first:
+            log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (all-reduce: %s)",
+                     len(self.buckets), self.max_bs, time.perf_counter() - t0, self.allreduce)
+
+    # ---- capture ----
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream(self.engine.device)
+        for bs in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
+            self._load(bs, None)
+            # warm-up on the capture stream: compiles Triton kernels, sets up cuBLAS, NCCL
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(bs)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                out = self._step(bs)
+            torch.cuda.synchronize()
+            pool = g.pool()
+            self.graphs[bs], self.outputs[bs] = g, out
+
+    def _step(self, bs: int) -> torch.Tensor:
+        """The captured work: one decode step of the model on this rank for the first `bs` static rows."""
+        batch = self.batches[bs]
+        slot_rows(self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs])
+        with forward_context(batch, self.kv, self.attn):
+            hidden = self.model.model(self.input_ids[:bs])
+            logits = matmul(hidden, self.model.lm_head.weight)  # [bs, vocab shard]
+        if self.tp.size > 1:  # collect the vocab shards inside the graph: no collective launched per step
+            tp = self.tp.size
+            parts = torch.ops._c10d_functional.all_gather_into_tensor(logits.contiguous(), tp, self.tp.group.group_name)
+            parts = torch.ops._c10d_functional.wait_tensor(parts)  # [tp * bs, shard]
+            if not self.tp.is_first:
+                return parts
+            logits = parts.view(tp, bs, -1).permute(1, 0, 2).reshape(bs, -1)
+        return logits[:, : self.vocab].float()
+
+    # ---- per step ----
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.size <= self.max_bs
+
+    def _bucket(self, b: int) -> int:
+        for bs in self.buckets:
+            if bs >= b:
+                return bs
+        raise ValueError(f"decode batch of {b} is larger than the largest CUDA graph ({self.max_bs})")
+
+    def _load(self, bs: int, batch: Batch | None) -> None:
+        """Fill the static inputs and plan the bucket's wrapper: `batch` in the first rows, padding after."""
+        M, S = self.max_bs, self.kv.page_size
+        b = 0 if batch is None else batch.size
+        if b:
+            ids, pos, loc = batch.input_ids, batch.positions, batch.out_loc
+            if ids.is_contiguous() and pos.data_ptr() == ids.data_ptr() + 8 * b \
+                    and loc.data_ptr() == ids.data_ptr() + 16 * b:  # decode_message's [ids | pos | loc]
+                self.inputs[:, :b].copy_(ids.as_strided((3, b), (b, 1)))
+            else:
+                self.input_ids[:b].copy_(ids)
+                self.positions[:b].copy_(pos)
+                self.out_loc[:b].copy_(loc)
+            seq = np.asarray(batch.seq_lens, dtype=np.int32)
+            npages, pages = page_ids(batch, S, seq)
+        else:
+            seq = npages = np.zeros(0, dtype=np.int32)
+            pages = seq
+        pad = bs - b
+        if pad:
+            self.out_loc[b:bs].fill_(self.pad_loc)  # padded rows write K/V into the scratch page only
+            if batch is None:
+                self.input_ids[:bs].zero_()
+                self.positions[:bs].zero_()
+        h = self.host_meta
+        indptr = h[:bs + 1]
+        indptr[0] = 0
+        np.cumsum(npages, out=indptr[1:b + 1])
+        indptr[b + 1:] = indptr[b] + np.arange(1, pad + 1, dtype=np.int32)  # one scratch page per padded row
+        last = h[M + 1:M + 1 + bs]
+        last[:b] = seq - (npages - 1) * S
+        last[b:] = 1
+        n = int(indptr[bs])
+        ids = h[2 * M + 1:2 * M + 1 + n]
+        ids[:len(pages)] = pages
+        ids[len(pages):] = self.kv.scratch_page
+        self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]))  # one host-to-device copy
+        kv_lens = np.ones(bs, dtype=np.int32)
+        kv_lens[:b] = seq
+        self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr.copy()), torch.from_numpy(kv_lens),
+                                    self.indices_buf[:n])
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """Replay the decode step for `batch`; rank 0 gets fp32 logits [>= B, vocab], the others None."""
+        b = batch.size
+        bs = self._bucket(b)
+        self._load(bs, batch)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b] if self.tp.is_first else None
