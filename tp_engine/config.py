@@ -80,7 +80,7 @@ SCHEMA: dict[str, Key] = {
     "prompts_file": Key(_STR + _NONE, None, "JSONL file, one {prompt: str}, {input_ids: [...]} or {messages: [...]} per line"),
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
     "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}"),
-    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order"),
+    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset: stdout"),
     "resume": Key(_BOOL, False, "skip prompts whose index is already in `output`"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
