@@ -72,3 +72,14 @@ def test_two_nodes_on_localhost_equal_tp1(tmp_path):
         assert p.returncode == 0, err[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "nodes.jsonl").read_text().splitlines()]
     assert [x["output_token_ids"] for x in lines] == [s["output_token_ids"] for s in single]
+
+
+def test_progress_lines_and_quiet(tmp_path):
+    model = make_checkpoint(tmp_path / "m")
+    cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}}
+    proc, _ = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "progress: 2/2 requests, 16 output tokens" in proc.stderr  # not a terminal: log lines
+    assert proc.stderr.count("progress:") == 1  # from rank 0 only
+    proc, _ = run_cli(cfg, tmp_path, nproc=2, args=("--quiet",), name="quiet")
+    assert proc.returncode == 0 and "progress:" not in proc.stderr and "KV cache" not in proc.stderr
