@@ -83,3 +83,16 @@ def test_progress_lines_and_quiet(tmp_path):
     assert proc.stderr.count("progress:") == 1  # from rank 0 only
     proc, _ = run_cli(cfg, tmp_path, nproc=2, args=("--quiet",), name="quiet")
     assert proc.returncode == 0 and "progress:" not in proc.stderr and "KV cache" not in proc.stderr
+
+
+def test_dummy_weights_from_config_alone(tmp_path):
+    src = make_checkpoint(tmp_path / "m")
+    cfg_only = tmp_path / "shape"
+    cfg_only.mkdir()
+    (cfg_only / "config.json").write_text((src / "config.json").read_text())  # no weights, no tokenizer
+    cfg = {"model": str(cfg_only), "load_format": "dummy", "prompts": PROMPTS, "sampling": {"max_new_tokens": 5}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [len(x["output_token_ids"]) for x in lines] == [5, 5]
+    proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, nproc=1, name="auto")
+    assert proc.returncode != 0 and "no *.safetensors weights" in proc.stderr
