@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(cfg, prompts, rank, quiet=args.quiet)
     except StartupError as e:
-        return fail(rank, str(e), 2)
+        fail(rank, str(e), 2)
+        sys.stderr.flush()
+        os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
     except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
         import traceback
         traceback.print_exc()
