@@ -62,6 +62,9 @@ def test_stop_strings_end_a_request(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[0]["finish_reason"] == "stop"
     assert lines[0]["text"] == " of sitting by her"  # cut before the stop string
+    n = len(lines[0]["output_token_ids"])  # the stop string completes on the last allowed token: still "stop"
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": n, "stop": [" sister"]}}, tmp_path, 1, name="edge")
+    assert (lines[0]["finish_reason"], lines[0]["text"]) == ("stop", " of sitting by her")
 
 
 def test_stream_prints_text_as_it_is_generated(tmp_path):

@@ -167,10 +167,10 @@ class Engine:
             tokens = self.sample(plan, logits)
             done = sched.update(plan, tokens)
             if on_token is not None:
-                early = [r for r in plan.reqs if on_token(r) and r not in done]
-                for r in early:
+                hit = [r for r in plan.reqs if on_token(r)]
+                for r in hit:  # a stop string wins over the length limit reached on the same token
                     r.finish_reason = "stop"
-                done += sched.retire(early)
+                done += sched.retire([r for r in hit if r not in done])
             for r in done:
                 if on_finish is not None:
                     on_finish(r)

@@ -141,6 +141,11 @@ class LLM:
                              f"KV pool {self.engine.kv.num_pages * self.engine.kv.page_size} tokens)")
 
     def _hit_stop(self, req: Request, stops: list[str]) -> bool:
+        # A stop string that ends at the newest token lies within its last few tokens (a token is at least
+        # a byte): look there first, so long outputs are not decoded in full at every step.
+        window = 4 * max(len(s) for s in stops) + 4
+        if not any(s in (self.decode(req.output_ids[-window:]) or "") for s in stops):
+            return False
         text = self.decode(req.output_ids) or ""
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:
