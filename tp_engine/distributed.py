@@ -134,11 +134,17 @@ class _SymmAllReduce:
 _FAST_AR: dict = {}
 
 
-def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 4 << 20) -> str:
-    """Collective: set up the symmetric-memory all-reduce for `tp` if TP_ENGINE_ALLREDUCE=symm, check it on
-    a small sum, and fall back to NCCL on any failure. Returns the kind in use ("nccl" or "symm")."""
-    if tp.size == 1 or tp.device.type != "cuda" or os.environ.get("TP_ENGINE_ALLREDUCE", "nccl") != "symm":
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 512 << 10) -> str:
+    """Collective: set up the symmetric-memory all-reduce for `tp` (unless TP_ENGINE_ALLREDUCE=nccl), check
+    it on a small sum, and fall back to NCCL on any failure. Returns the kind in use ("nccl" or "symm").
+
+    Only messages up to `max_bytes` (decode batches up to 64 at hidden 4096) take it: there it shortens
+    the step (measured: Qwen3-8B TP=2 batch 1, 4.85 -> 4.40 ms); larger ones stay with NCCL."""
+    if tp.size == 1 or tp.device.type != "cuda" or os.environ.get("TP_ENGINE_ALLREDUCE", "symm") != "symm":
         return "nccl"
+    # The one-shot all-reduce needs peer loads only, not NVLink multicast, which on a shared host can take
+    # the GPUs of other users down with it.
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ok, fast = 1, None
     try:
         fast = _SymmAllReduce(tp, dtype, max_bytes)
