@@ -76,8 +76,10 @@ class Scheduler:
             n = len(req.all_ids)
             if admitted and n > budget:
                 break
+            # Keep a page per running request in reserve, so admitting this one does not force a
+            # preemption at the next decode step (a preempted request recomputes its whole prefix).
             need = pages_for(n, self.page_size)
-            if need > self.alloc.num_free:
+            if need > self.alloc.num_free - len(self.running) - len(admitted):
                 break
             req.pages = self.alloc.alloc(need)
             admitted.append(self.waiting.popleft())
