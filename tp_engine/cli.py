@@ -17,6 +17,7 @@ from tp_engine.distributed import StartupError
 from tp_engine.progress import Progress, Streamer
 
 log = logging.getLogger("tp_engine")
+FOLLOWER_GRACE_S = 5.0
 
 EXAMPLES = """examples:
   torchrun --nproc_per_node=2 launch/generate.py --config configs/demo.yaml
@@ -208,14 +209,21 @@ def write_jsonl(path: Path, outputs: list[dict]) -> None:
 
 
 def fail(rank: int, message: str, code: int, always: bool = False) -> int:
-    """Print `message` once (rank 0, or any rank when `always`) and leave it where torchrun's summary finds it."""
-    if rank == 0 or always:
-        print(f"error: {message}", file=sys.stderr)
+    """Print `message` once (rank 0, or any rank when `always`) and leave it where torchrun's summary finds it.
+
+    The other ranks usually fail the same way at the same moment. They wait a little before exiting, so
+    that torchrun, which stops the job when the first rank exits, does not kill rank 0 before it has
+    printed. If they are still alive after that (rank 0 did not fail), they say why themselves."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun shows this as the root cause instead of a pointer to its docs
         with open(error_file, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                       "timestamp": str(int(time.time()))}}}, f)
+    if rank == 0 or always:
+        print(f"error: {message}", file=sys.stderr)
+    else:
+        time.sleep(FOLLOWER_GRACE_S)
+        print(f"error: rank {rank}: {message}", file=sys.stderr)
     return code
 
 
