@@ -125,6 +125,11 @@ class Engine:
             log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
         return n
 
+    @property
+    def max_request_len(self) -> int:
+        """Most tokens (prompt + output) one request may hold: the context, or the whole KV pool."""
+        return min(self.max_model_len, self.kv.num_pages * self.kv.page_size)
+
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (the tied LM head counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -149,7 +154,7 @@ class Engine:
     def new_scheduler(self) -> Scheduler:
         c = self.cfg
         return Scheduler(self.kv.num_pages, self.kv.page_size, c["max_batch_size"], c["max_prefill_tokens"],
-                         self.max_model_len, self.model_cfg.eos_token_ids)
+                         self.max_request_len, self.model_cfg.eos_token_ids)
 
     def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
             on_finish: Callable[[Request], None] | None = None) -> None:

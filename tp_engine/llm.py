@@ -134,7 +134,7 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = min(self.engine.max_model_len, self.engine.kv.num_pages * self.engine.kv.page_size)
+        limit = self.engine.max_request_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the longest that can run is {limit - 1} "
                              f"(max_model_len {self.engine.max_model_len}, "

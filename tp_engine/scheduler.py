@@ -50,11 +50,11 @@ class Plan:
 
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int, max_prefill_tokens: int,
-                 max_model_len: int, eos_ids: tuple[int, ...]) -> None:
+                 max_request_len: int, eos_ids: tuple[int, ...]) -> None:
         self.alloc = PageAllocator(num_pages)
         self.page_size, self.max_batch, self.max_prefill = page_size, max_batch_size, max_prefill_tokens
         # A request never grows past what the pool holds alone, so the oldest request can always progress.
-        self.max_len = min(max_model_len, num_pages * page_size)
+        self.max_len = max_request_len
         self.eos_ids = set(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the end
