@@ -266,6 +266,7 @@ def profile_decode(engine: Engine, one, n_new: int) -> dict:
     steps = len(times) - 1
     families = {"attention": 0.0, "matmul": 0.0, "all_reduce": 0.0, "norm_rope_act": 0.0, "other": 0.0}
     names: dict[str, float] = {}
+    counts: dict[str, int] = {}
     try:
         for e in prof.events():
             if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
@@ -273,6 +274,7 @@ def profile_decode(engine: Engine, one, n_new: int) -> dict:
             us = e.time_range.elapsed_us()
             n = e.name
             names[n] = names.get(n, 0.0) + us
+            counts[n] = counts.get(n, 0) + 1
             low = n.lower()
             if any(k in low for k in ("prefill", "decode", "merge", "attention", "flashinfer")):
                 families["attention"] += us
@@ -289,7 +291,8 @@ def profile_decode(engine: Engine, one, n_new: int) -> dict:
     gpu = sum(families.values()) / steps
     out = {k: round(v / steps, 1) for k, v in families.items()}
     out.update({"gpu_busy": round(gpu, 1),
-                "top_kernels": {k[:80]: round(v / steps, 1) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]}})
+                "top_kernels": {k[:80]: [round(v / steps, 1), round(counts[k] / steps, 1)]
+                                for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:30]}})
     return out
 
 
@@ -304,9 +307,10 @@ class HostTimers:
         self.t: dict[str, float] = {}
         self.patches = []
         for owner, name, label in ((E.tpd, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
-                                   (Scheduler, "schedule", "schedule"), (Scheduler, "encode", "encode"),
+                                   (Scheduler, "schedule", "schedule"), (Scheduler, "issue", "encode"),
                                    (Scheduler, "update", "update"), (engine, "forward", "forward_launch"),
-                                   (engine, "sample", "sample_and_wait_gpu")):
+                                   (engine, "share_tokens", "sample_and_share"),
+                                   (engine, "take_tokens", "wait_gpu_and_update")):
             self._wrap(owner, name, label)
         if engine.graphs is not None:  # inside forward_launch: static inputs + page table + plan, and the plan
             self._wrap(engine.graphs, "_load", "graph_inputs_and_plan")
@@ -521,6 +525,9 @@ def main(argv=None) -> int:
                     host_profile(engine, args, res)
             if "throughput" in workloads:
                 bench_throughput(engine, args, res)
+            ops = fused_ops(engine.device)
+            if ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
+                res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in ops._GEMV_CHOICE.items()}
             del engine
             engine = None
             gc.collect()

@@ -1,6 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once at start-up.
 
-A decode batch of B requests runs the graph of the smallest bucket >= B; the padded rows read a dummy
+A decode batch of B requests runs the graph of the smallest bucket >= B; the graph first takes the
+tokens sampled in the previous step from the device (Engine.resolve); the padded rows read a dummy
 token and write their K/V into the cache's scratch page, so they touch no request's pages. The graph
 holds the whole model step on this rank (embedding, layers with their all-reduces, final norm and the
 LM head matmul, with TP > 1 the all-gather of the vocab shards too), so rank 0 replays and reads logits.
@@ -105,6 +106,7 @@ class GraphRunner:
     def _step(self, bs: int) -> torch.Tensor:
         """The captured work: one decode step of the model on this rank for the first `bs` static rows."""
         batch = self.batches[bs]
+        self.engine.resolve(self.input_ids[:bs])  # the tokens of the previous step, from the device
         slot_rows(self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs])
         with forward_context(batch, self.kv, self.attn):
             hidden = self.model.model(self.input_ids[:bs])
@@ -165,7 +167,8 @@ class GraphRunner:
         ids = h[2 * M + 1:2 * M + 1 + n]
         ids[:len(pages)] = pages
         ids[len(pages):] = self.kv.scratch_page
-        self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]))  # one host-to-device copy
+        # one host-to-device copy, from pinned memory so that it queues behind the step still running
+        self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]).pin_memory(), non_blocking=True)
         kv_lens = np.ones(bs, dtype=np.int32)
         kv_lens[:b] = seq
         self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr.copy()), torch.from_numpy(kv_lens),

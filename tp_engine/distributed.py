@@ -171,6 +171,15 @@ def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor 
     return torch.cat(parts, dim=-1) if tp.rank == 0 else None
 
 
+def broadcast(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
+    """Overwrite `x` on every rank with rank 0's `x`, on the compute device (the sampled tokens, each step).
+    On CUDA the host does not wait: the copy is queued on the stream like a kernel."""
+    tp = tp or _TP
+    if tp.size > 1:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
 # ---- control messages on the CPU group (rank 0 decides, the others follow) ----
 
 def broadcast_ints(values: torch.Tensor | None, tp: TPGroup | None = None) -> torch.Tensor:

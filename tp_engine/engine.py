@@ -1,12 +1,15 @@
 """The engine on each rank: builds the sharded model and KV pool, then runs steps.
 
 Rank 0 schedules, broadcasts each step's message, samples from the gathered logits and keeps the request
-state; the other ranks decode the same message and run the same forward (`follow`).
+state; the other ranks decode the same message and run the same forward (`follow`). Rank 0 broadcasts
+the sampled tokens on the device, where the next step reads them, so it can issue step k+1 before step
+k's tokens reach the host: the host's work for one step overlaps the GPU's work for the previous one.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -16,10 +19,19 @@ from tp_engine.attention import make_backend
 from tp_engine.config import ModelConfig, fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
+from tp_engine.layers import fused_ops
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.sampler import sample
 from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message
+
+
+@dataclass
+class Issued:
+    """A step sent to the GPU whose tokens rank 0 has not read yet."""
+    plan: Plan
+    tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is synchronous)
 
 log = logging.getLogger("tp_engine")
 
@@ -69,6 +81,8 @@ class Engine:
         self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
                                  max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
+        # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
+        self.last_tokens = torch.zeros(cfg["max_batch_size"], dtype=torch.int64, device=device)
         self.graphs = None
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
         if device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
@@ -139,15 +153,33 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch)  # resolves the token references inside the graph
+        if not batch.is_prefill:
+            batch.input_ids = self.resolve(batch.input_ids)
         self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replace each reference to the previous step's tokens (`scheduler.ref_token`) by the token, in place."""
+        ops = fused_ops(ids.device)
+        if ops is not None:
+            return ops.resolve_tokens(ids, self.last_tokens)
+        return ids.copy_(torch.where(ids >= 0, ids, self.last_tokens[(-1 - ids).clamp(min=0)]))
+
+    @torch.inference_mode()
+    def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Rank 0 passes the `n` tokens it sampled, the others None: all end with them in `last_tokens`."""
+        out = self.last_tokens[:n]
+        if tokens is not None:
+            out.copy_(tokens)
+        return tpd.broadcast(out, self.tp)
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
         while (batch := decode_message(tpd.broadcast_ints(None, self.tp), self.device)) is not None:
             self.forward(batch)
+            self.share_tokens(None, batch.size)
 
     # ---- the generation loop, on rank 0 ----
 
@@ -165,20 +197,15 @@ class Engine:
         sched = self.new_scheduler()
         for r in requests:
             sched.add(r)
+        inflight: Issued | None = None
         while sched.has_work():
             plan = sched.schedule()
-            batch = decode_message(tpd.broadcast_ints(sched.encode(plan), self.tp), self.device)
-            logits = self.forward(batch)
-            tokens = self.sample(plan, logits)
-            done = sched.update(plan, tokens)
-            if on_token is not None:
-                hit = [r for r in plan.reqs if on_token(r)]
-                for r in hit:  # a stop string wins over the length limit reached on the same token
-                    r.finish_reason = "stop"
-                done += sched.retire([r for r in hit if r not in done])
-            for r in done:
-                if on_finish is not None:
-                    on_finish(r)
+            if not plan.reqs and inflight is None:
+                raise RuntimeError("scheduler found no step to run")  # a bug, not a user error: never spin
+            issued = self.issue(sched, plan) if plan.reqs else None
+            if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
+                self.take_tokens(sched, inflight, on_token, on_finish)
+            inflight = issued
         self.num_preempted = sched.num_preempted
         # Only after a clean finish: after an error, rank 0 exits and torchrun stops the others.
         self.release_followers()
@@ -187,8 +214,34 @@ class Engine:
         if self.tp.size > 1:
             tpd.broadcast_ints(stop_message(), self.tp)
 
-    def sample(self, plan: Plan, logits: torch.Tensor) -> list[int]:
+    def issue(self, sched: Scheduler, plan: Plan) -> Issued:
+        """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
+        returns without waiting for the GPU."""
         reqs = plan.reqs
         seeds = [r.params.seed * 1_000_003 + r.index for r in reqs]
-        steps = [len(r.output_ids) for r in reqs]
-        return sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps).tolist()
+        steps = [r.num_outputs for r in reqs]  # the output index each request samples now
+        batch = decode_message(tpd.broadcast_ints(sched.issue(plan), self.tp), self.device)
+        logits = self.forward(batch)
+        tokens = self.share_tokens(sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps), len(reqs))
+        if tokens.is_cuda:
+            host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return Issued(plan, host, done)
+        return Issued(plan, tokens.clone(), None)
+
+    def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[Request], bool] | None,
+                    on_finish: Callable[[Request], None] | None) -> None:
+        """Wait for an issued step's tokens and hand them to the scheduler and the callbacks."""
+        if step.done is not None:
+            step.done.synchronize()
+        got, done = sched.update(step.plan, step.tokens.tolist())
+        if on_token is not None:
+            hit = [r for r in got if on_token(r)]
+            for r in hit:  # a stop string wins over the length limit reached on the same token
+                r.finish_reason = "stop"
+            done += sched.retire([r for r in hit if r not in done])
+        for r in done:
+            if on_finish is not None:
+                on_finish(r)

@@ -50,6 +50,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return ((bits >> 8).float() + 0.5) / float(1 << 24)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`; on CUDA through pinned memory, so the host does not wait."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
     """logits: [B, vocab] fp32 -> chosen ids [B] (int64)."""
     greedy = logits.argmax(dim=-1)
@@ -62,29 +68,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         from tp_engine.layers import fused_ops
         ops = fused_ops(dev)
         if ops is not None:  # the same draw in one pass over the logits (layers/triton_ops.py)
-            row_hash = _hash32(_hash32(torch.tensor([seeds[i] for i in rows], device=dev) & _M32)
-                               ^ (torch.tensor([steps[i] for i in rows], device=dev) & _M32))
-            temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=dev)
-            rows_t = torch.tensor(rows, device=dev)
+            row_hash = _hash32(_hash32(to_device([seeds[i] for i in rows], torch.int64, dev) & _M32)
+                               ^ (to_device([steps[i] for i in rows], torch.int64, dev) & _M32))
+            temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+            rows_t = to_device(rows, torch.int64, dev)
             if logits.stride(-1) != 1:
                 logits = logits.contiguous()
             greedy[rows_t] = ops.gumbel_argmax(logits, rows_t, temps, row_hash)
             return greedy
-    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+    rows_t = to_device(rows, torch.int64, dev)
+    x = logits[rows_t] / to_device([params[i].temperature for i in rows], torch.float32, dev)[:, None]
     top_k = [params[i].top_k for i in rows]
     if any(top_k):
-        k = torch.tensor([t if t > 0 else x.shape[-1] for t in top_k], device=dev)
+        k = to_device([t if t > 0 else x.shape[-1] for t in top_k], torch.int64, dev)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=x.shape[-1] - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
-    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
-    if (top_p < 1).any():
+    if any(params[i].top_p < 1 for i in rows):
+        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         sorted_x, order = x.sort(dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
         drop = cum - sorted_x.softmax(-1) > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
-                      torch.tensor([steps[i] for i in rows], device=dev), x.shape[-1])
+    u = uniform_noise(to_device([seeds[i] for i in rows], torch.int64, dev),
+                      to_device([steps[i] for i in rows], torch.int64, dev), x.shape[-1])
     chosen = (x - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
     out = greedy.clone()
-    out[torch.tensor(rows, device=dev)] = chosen
+    out[rows_t] = chosen
     return out

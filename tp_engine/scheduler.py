@@ -3,6 +3,11 @@ finished, preempt (and later recompute) the newest when pages run out.
 
 Each step is encoded as one int64 message that rank 0 broadcasts; every rank decodes the same `Batch`
 from it, so the batch order is identical everywhere and the other ranks need no scheduler state.
+
+Rank 0 plans step k+1 while the GPU still runs step k, so a request's newest token may not be known on
+the host yet (`pending`). The message then names it by its row in step k's sampled tokens, which stay on
+the device (`ref_token`). Stops by length are known ahead, so such a request is left out of step k+1;
+an EOS or stop string is seen one step late and that request's extra token is dropped.
 """
 from __future__ import annotations
 
@@ -19,6 +24,11 @@ from tp_engine.sampler import SamplingParams
 STOP, STEP = 0, 1
 
 
+def ref_token(row: int) -> int:
+    """A message token id meaning 'the token sampled in row `row` of the previous step' (see Engine.resolve)."""
+    return -1 - row
+
+
 @dataclass
 class Request:
     index: int
@@ -26,7 +36,9 @@ class Request:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # tokens whose K/V are in the cache, or will be once the issued steps ran
+    pending: int = 0  # tokens sampled by issued steps but not yet appended to output_ids
+    out_row: int = 0  # row of this request in the newest issued step's sampled tokens
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str | None = None
@@ -40,6 +52,11 @@ class Request:
     def num_tokens(self) -> int:
         """len(all_ids) without building the list (called per request per step)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens including those still on the device."""
+        return len(self.output_ids) + self.pending
 
 
 @dataclass
@@ -73,6 +90,8 @@ class Scheduler:
         admitted, budget = [], self.max_prefill
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
+            if req.pending:  # preempted while its last token was in flight: admit once that token is here
+                break
             n = len(req.all_ids)
             if admitted and n > budget:
                 break
@@ -88,14 +107,18 @@ class Scheduler:
             self.running.extend(admitted)
             return Plan(True, admitted)
         self._grow_for_decode()
-        return Plan(False, list(self.running))
+        return Plan(False, [r for r in self.running if not self.done_by_length(r)])
+
+    def done_by_length(self, r: Request) -> bool:
+        """True when the tokens already sampled (some perhaps still in flight) end `r` by length."""
+        return r.num_outputs >= r.params.max_new_tokens or r.num_tokens + r.pending >= self.max_len
 
     def _grow_for_decode(self) -> None:
         """Every running request needs a slot for one more token; preempt the newest when pages run out."""
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if req.num_cached < len(req.pages) * self.page_size:
+            if self.done_by_length(req) or req.num_cached < len(req.pages) * self.page_size:
                 i += 1
             elif self.alloc.num_free:
                 req.pages += self.alloc.alloc(1)
@@ -109,12 +132,16 @@ class Scheduler:
 
     # ---- the step message ----
 
-    def encode(self, plan: Plan) -> torch.Tensor:
+    def issue(self, plan: Plan) -> torch.Tensor:
+        """The step message for `plan`; from here on the scheduler counts the step as run."""
         ids, pos, loc, seq, ext, npages, pages = [], [], [], [], [], [], []
         S = self.page_size
-        for r in plan.reqs:
-            toks = r.all_ids[r.num_cached:] if plan.is_prefill else \
-                (r.output_ids[-1:] if r.output_ids else r.prompt_ids[-1:])
+        for row, r in enumerate(plan.reqs):
+            if plan.is_prefill:
+                assert not r.pending, "a request is admitted only once its tokens are all known"
+                toks = r.all_ids[r.num_cached:]
+            else:
+                toks = [ref_token(r.out_row)] if r.pending else (r.output_ids[-1:] or r.prompt_ids[-1:])
             start = r.num_cached
             ids += toks
             positions = range(start, start + len(toks))
@@ -124,6 +151,8 @@ class Scheduler:
             ext.append(len(toks))
             npages.append(len(r.pages))
             pages.append(_page_array(r))
+            r.num_cached, r.out_row = start + len(toks), row
+            r.pending += 1
         head = np.array([STEP, int(plan.is_prefill), len(plan.reqs), len(ids)] + ids + pos + loc + seq + ext + npages,
                         dtype=np.int64)
         # the page tables are most of the message: joined from per-request arrays, not converted int by int
@@ -131,12 +160,16 @@ class Scheduler:
 
     # ---- after sampling ----
 
-    def update(self, plan: Plan, tokens: list[int]) -> list[Request]:
-        """Append each request's new token; return the requests that finished (their pages are freed)."""
-        done = []
+    def update(self, plan: Plan, tokens: list[int]) -> tuple[list[Request], list[Request]]:
+        """Append each request's new token from the step `plan` issued. Returns (the requests that got one,
+        those that finished; their pages are freed). A request that ended before this step drops its token."""
+        got, done = [], []
         for r, tok in zip(plan.reqs, tokens):
-            r.num_cached = r.num_tokens
+            r.pending -= 1
+            if r.finish_reason:
+                continue
             r.output_ids.append(tok)
+            got.append(r)
             p = r.params
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 r.finish_reason = "stop"
@@ -144,12 +177,14 @@ class Scheduler:
                 r.finish_reason = "length"
             if r.finish_reason:
                 done.append(r)
-        return self.retire(done)
+        return got, self.retire(done)
 
     def retire(self, reqs: list[Request]) -> list[Request]:
         for r in reqs:
             if r in self.running:
                 self.running.remove(r)
+            elif r in self.waiting:  # preempted while its last token was in flight
+                self.waiting.remove(r)
             self.alloc.release(r.pages)
             r.pages = []
         return reqs
@@ -184,7 +219,8 @@ def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
         host[:3 * N] = vals[:3 * N].numpy()
         np.cumsum(ext, out=host[3 * N:])
         host[3 * N:] -= 1
-        dev = torch.from_numpy(host).to(device)
+        # from pinned memory, so the copy queues behind the GPU's work instead of waiting for it
+        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
         ids, pos, loc, last = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:]
     return Batch(bool(is_prefill), ids, pos, loc, seq, ext, tables, last, page_ids=vals[3 * N + 3 * B:])
 

@@ -93,6 +93,8 @@ class FlashInferBackend:
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                             use_tensor_cores=True)
+        # TP_ENGINE_SPLIT_KV=0: CUDA-graph decode without flashinfer's KV split (and its merge kernel)
+        self.split_kv = os.environ.get("TP_ENGINE_SPLIT_KV", "1") != "0"
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
         from tp_engine.layers import fused_ops
@@ -143,7 +145,8 @@ class FlashInferBackend:
         else:
             last = kv_lens - (kv_indptr[1:] - kv_indptr[:-1] - 1) * self.page_size
             wrapper.plan(kv_indptr, indices_dev.cpu(), last, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
+                         self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                         disable_split_kv=not self.split_kv)
             self._fast_plans[id(wrapper)] = self._make_fast_plan(wrapper, kv_indptr, kv_lens)
         self.guard.after(wrapper)
 
@@ -161,7 +164,7 @@ class FlashInferBackend:
 
             def fast(indptr: torch.Tensor, lens: torch.Tensor):
                 return module.plan(*bufs, qo_indptr, indptr, lens, bs, bs, self.num_heads, self.num_kv_heads,
-                                   self.page_size, True, self.head_dim, self.head_dim, False, -1, -1, False, 0, 0)
+                                   self.page_size, True, self.head_dim, self.head_dim, False, -1, -1, not self.split_kv, 0, 0)
 
             self.guard.after(wrapper)
             self.guard.before(wrapper)

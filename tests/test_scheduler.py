@@ -1,0 +1,78 @@
+"""The scheduler's step protocol, driven without a model: rank 0 issues step k+1 before it has read step k's
+tokens (the engine's overlapped loop). The outputs must equal those of issuing one step at a time."""
+import pytest
+import torch
+
+from tp_engine.sampler import SamplingParams
+from tp_engine.scheduler import Request, Scheduler, decode_message
+
+V, EOS = 50, 7
+
+
+def next_token(token: int, position: int) -> int:
+    """A stand-in model whose output depends on the input token and its position, so a wrong reference
+    or position changes what follows."""
+    return (token * 31 + position * 7 + 5) % V
+
+
+def drive(lagged: bool, num_pages: int, max_batch: int = 8) -> tuple[list[Request], int]:
+    sched = Scheduler(num_pages, 4, max_batch, 64, num_pages * 4, (EOS,))
+    prompts = [[1, 2, 3], [4] * 9, [9, 8], [11, 12, 13, 14, 15, 16], [20]]
+    reqs = [Request(i, p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=i % 2 == 0))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    device_tokens = [0] * max_batch  # what Engine.last_tokens holds: the tokens of the latest step
+    inflight = None
+    while sched.has_work():
+        plan = sched.schedule()
+        issued = None
+        if plan.reqs:
+            batch = decode_message(sched.issue(plan), torch.device("cpu"))
+            ids = [t if t >= 0 else device_tokens[-1 - t] for t in batch.input_ids.tolist()]
+            pos = batch.positions.tolist()
+            rows = batch.last_indices.tolist()
+            tokens = [next_token(ids[i], pos[i]) for i in rows]
+            device_tokens[:len(tokens)] = tokens
+            issued = (plan, tokens)
+        if not lagged and issued is not None:
+            sched.update(*issued)
+            continue
+        assert issued is not None or inflight is not None
+        if inflight is not None:
+            sched.update(*inflight)
+        inflight = issued
+    assert all(r.pending == 0 and not r.pages for r in reqs)
+    assert sched.alloc.num_free == num_pages
+    return reqs, sched.num_preempted
+
+
+@pytest.mark.parametrize("num_pages", [64, 7])
+def test_overlapped_steps_equal_one_at_a_time(num_pages):
+    ref, _ = drive(False, num_pages)
+    got, preempted = drive(True, num_pages)
+    if num_pages == 7:
+        assert preempted > 0  # the small pool exercises preemption with a token still in flight
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    stopped = [r for r in got if r.finish_reason == "stop"]
+    assert stopped and all(r.output_ids[-1] == EOS for r in stopped)  # the extra token after EOS is dropped
+    for r in got:
+        if r.finish_reason == "length":
+            assert len(r.output_ids) == r.params.max_new_tokens
+
+
+def test_length_limit_is_not_overrun():
+    """A request whose in-flight token is its last is left out of the next step."""
+    sched = Scheduler(16, 4, 4, 64, 64, ())
+    r = Request(0, [1, 2], SamplingParams(max_new_tokens=2))
+    sched.add(r)
+    first = sched.schedule()
+    sched.issue(first)  # prefill: samples output token 1
+    second = sched.schedule()
+    assert second.reqs == [r]
+    sched.issue(second)  # samples output token 2, the last
+    assert sched.schedule().reqs == []  # nothing to issue until those tokens are read
+    sched.update(first, [5])
+    sched.update(second, [6])
+    assert r.output_ids == [5, 6] and r.finish_reason == "length" and not sched.has_work()
