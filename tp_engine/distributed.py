@@ -104,6 +104,18 @@ def all_reduce(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
     return x
 
 
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one kernel, where the push
+    all-reduce is set up and `x` fits it; otherwise None, and the caller does the two steps."""
+    tp = tp or _TP
+    fast = _FAST_AR.get(tp.group) if tp.size > 1 and x.is_cuda else None
+    if isinstance(fast, _PushAllReduce) and fast.fits(x) and x.dim() == 2 and residual.is_contiguous() \
+            and weight.dtype == x.dtype == residual.dtype:
+        return fast.add_rmsnorm(x, residual, weight, eps)
+    return None
+
+
 class _SymmAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer (NVLink peer loads), for small messages."""
 
@@ -122,7 +134,8 @@ class _SymmAllReduce:
         symm_mem.rendezvous(self.buf, self.name)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.numel() * x.element_size() <= self.max_bytes and x.is_contiguous()
+        nbytes = x.numel() * x.element_size()
+        return x.dtype == self.dtype and nbytes <= self.max_bytes and nbytes % 16 == 0 and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -131,33 +144,86 @@ class _SymmAllReduce:
         return out
 
 
+class _PushAllReduce(_SymmAllReduce):
+    """All-reduce of small messages by one Triton kernel that pushes each rank's values, tagged with the
+    call's number, into every rank's symmetric-memory buffer (layers/triton_ops.push_all_reduce)."""
+
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        from tp_engine.layers import triton_ops
+
+        self.ops, self.rank, self.world = triton_ops, tp.rank, tp.size
+        self.dtype, self.max_bytes = dtype, max_bytes
+        self.slot = max_bytes // torch.empty((), dtype=dtype).element_size()
+        # two buffers of one slot per rank, 64-bit words; zeroed (tag 0) before any peer can write
+        self.buf = symm_mem.empty(2 * tp.size * self.slot, dtype=torch.int64, device=tp.device)
+        self.buf.zero_()
+        torch.cuda.synchronize(tp.device)
+        handle = symm_mem.rendezvous(self.buf, tp.group.group_name)
+        self.ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
+        self.state = torch.tensor([1, 0], dtype=torch.int64, device=tp.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.push_all_reduce(x, self.ptrs, self.state, self.slot, self.rank, self.world)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.push_all_reduce_add_rmsnorm(x, residual, weight, eps, self.ptrs, self.state, self.slot,
+                                                    self.rank, self.world)
+
+
 _FAST_AR: dict = {}
+ALL_REDUCE_KINDS = {"push": _PushAllReduce, "symm": _SymmAllReduce}
+
+
+def _check_all_reduce(fast, tp: TPGroup, dtype: torch.dtype) -> bool:
+    """Sums of a few sizes, twice over (both buffers of the push kernel), against the exact result."""
+    for n in (4096, 8, 5000, 4096):
+        x = (torch.arange(n, device=tp.device) % 7 + tp.rank).to(dtype)
+        want = (tp.size * (torch.arange(n, device=tp.device) % 7) + tp.size * (tp.size - 1) // 2).to(dtype)
+        if not torch.equal(fast(x), want):
+            return False
+    if isinstance(fast, _PushAllReduce):  # the fused residual add + RMSNorm, against the two steps
+        from tp_engine.layers import fused_ops
+        x = (torch.arange(3 * 256, device=tp.device) % 5 + tp.rank).to(dtype).view(3, 256)
+        res = torch.ones_like(x)
+        w = torch.full((256,), 0.5, device=tp.device, dtype=dtype)
+        out, new_res = fast.add_rmsnorm(x, res, w, 1e-6)
+        ref, ref_res = fused_ops(tp.device).add_rmsnorm(fast(x), res, w, 1e-6)
+        if not (torch.equal(new_res, ref_res) and torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)):
+            return False
+    return True
 
 
 def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 512 << 10) -> str:
-    """Collective: set up the symmetric-memory all-reduce for `tp` (unless TP_ENGINE_ALLREDUCE=nccl), check
-    it on a small sum, and fall back to NCCL on any failure. Returns the kind in use ("nccl" or "symm").
+    """Collective: set up the all-reduce for small messages on `tp` and check it; returns the kind in use.
 
-    Only messages up to `max_bytes` (decode batches up to 64 at hidden 4096) take it: there it shortens
-    the step (measured: Qwen3-8B TP=2 batch 1, 4.85 -> 4.40 ms); larger ones stay with NCCL."""
-    if tp.size == 1 or tp.device.type != "cuda" or os.environ.get("TP_ENGINE_ALLREDUCE", "symm") != "symm":
+    TP_ENGINE_ALLREDUCE picks it: `push` (the default; layers/triton_ops.push_all_reduce), `symm` (PyTorch's
+    one-shot all-reduce over symmetric memory) or `nccl`. A kind that fails its check on any rank falls
+    back to the next one, down to NCCL. Only messages up to `max_bytes` (decode batches up to 64 at hidden
+    4096) take it; larger ones stay with NCCL."""
+    choice = os.environ.get("TP_ENGINE_ALLREDUCE", "push")
+    if tp.size == 1 or tp.device.type != "cuda" or choice not in ALL_REDUCE_KINDS:
         return "nccl"
-    # The one-shot all-reduce needs peer loads only, not NVLink multicast, which on a shared host can take
-    # the GPUs of other users down with it.
+    # Both need peer loads and stores only, not NVLink multicast, which on a shared host can take the GPUs
+    # of other users down with it.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ok, fast = 1, None
-    try:
-        fast = _SymmAllReduce(tp, dtype, max_bytes)
-        probe = torch.full((4096,), float(tp.rank + 1), dtype=dtype, device=tp.device)
-        got = fast(probe)
-        want = tp.size * (tp.size + 1) / 2
-        ok = int(bool((got == want).all().item()))
-    except Exception:  # no peer access, no symmetric memory: NCCL it is
-        ok = 0
-    ok = all_reduce_min(ok, tp)  # every rank takes the same path
-    if ok:
-        _FAST_AR[tp.group] = fast
-    return "symm" if ok else "nccl"
+    kinds = ["push", "symm"] if choice == "push" else ["symm"]
+    for kind in kinds:
+        if kind == "push":  # agree first: the set-up below is collective
+            from tp_engine.layers import fused_ops
+            if not all_reduce_min(int(fused_ops(tp.device) is not None), tp):
+                continue
+        ok, fast = 1, None
+        try:
+            fast = ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes)
+            ok = int(_check_all_reduce(fast, tp, dtype))
+        except Exception:  # no peer access, no symmetric memory
+            ok = 0
+        if all_reduce_min(ok, tp):  # every rank takes the same path
+            _FAST_AR[tp.group] = fast
+            return kind
+    return "nccl"
 
 
 def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor | None:

@@ -111,12 +111,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    reduce=False returns this rank's partial sum instead, for a consumer that all-reduces it itself: the
+    RMSNorm after it, which fuses the all-reduce with the residual add and the norm (layers/norm.py).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True) -> None:
         tp = get_tp()
         assert in_features % tp.size == 0, f"input size {in_features} does not split across {tp.size} ranks"
-        self.full_in = in_features
+        self.full_in, self.reduce = in_features, reduce
         super().__init__(in_features // tp.size, out_features, bias)
         if bias:
             self.bias.weight_loader = self.bias_loader
@@ -131,6 +135,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(src.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight), self.tp)
+        y = matmul(x, self.weight)
+        if not self.reduce:  # the bias counts once: on rank 0's partial sum
+            return y + self.bias if self.bias is not None and self.tp.rank == 0 else y
+        y = all_reduce(y, self.tp)
         # The bias is added after the reduction so it counts once, not once per rank.
         return y if self.bias is None else y + self.bias

@@ -1,8 +1,10 @@
-"""RMSNorm, with the residual add fused in the way the Qwen3 decoder chains it."""
+"""RMSNorm, with the residual add (and the all-reduce before it) fused in the way the Qwen3 decoder chains it."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tp_engine.distributed import all_reduce, all_reduce_add_rmsnorm
 
 _FUSED: dict[str, object] = {}
 
@@ -30,8 +32,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual); the first call of a model passes no residual."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); the first call of a model passes no residual.
+
+        reduce: `x` is this rank's partial sum from a RowParallelLinear(reduce=False), all-reduced here
+        first; on the GPU the all-reduce, the add and the norm are then one kernel where they can be."""
+        if reduce:
+            fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps) if residual is not None else None
+            if fused is not None:
+                return fused
+            x = all_reduce(x)
         ops = fused_ops(x.device)
         if ops is not None and x.dtype == self.weight.dtype:
             return ops.add_rmsnorm(x, residual, self.weight, self.eps)  # the same arithmetic in one kernel

@@ -11,6 +11,8 @@ where torch would), so swapping one for the other changes results only through t
   logits once instead of materialising [B, vocab] int64 noise.
 - `linear`: a batch-1 matmul through a GEMV kernel for the weight shapes where that measures faster
   than cuBLAS (the choice is made once per shape, by timing both).
+- `push_all_reduce`: the all-reduce of small messages over symmetric memory (distributed.py), and
+  `push_all_reduce_add_rmsnorm`, the same fused with the residual add and RMSNorm that follow it.
 - `resolve_tokens`: puts the tokens sampled in the previous step into the step's input ids.
 
 Only imported on CUDA; `available()` says whether Triton can be used (TP_ENGINE_TRITON=0 turns it off).
@@ -244,6 +246,58 @@ if triton is not None:
         tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
+    def _push_sum(x, offs, m, ptrs_ptr, state_ptr, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """The sum over the ranks of `x` (this program's values, at `offs` of the message), in fp32."""
+        call = tl.load(state_ptr)  # the number of this all-reduce, the same on every rank
+        tag = call.to(tl.int32)
+        base = (call % 2) * WORLD * slot  # two buffers in turn: a slow peer may still read the last call's
+        word = (call << 32) | x.to(tl.float32).to(tl.uint32, bitcast=True).to(tl.int64)  # [tag | fp32 value]
+        for p in tl.static_range(WORLD):
+            peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(tl.int64))
+            tl.store(peer + base + RANK * slot + offs, word, mask=m)
+        mine = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(tl.int64))
+        acc = tl.zeros(x.shape, dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order: every rank adds the same numbers in the same order
+            addr = mine + base + r * slot + offs
+            w = tl.load(addr, mask=m, other=0, volatile=True)
+            while tl.max(tl.where(m & ((w >> 32).to(tl.int32) != tag), 1, 0), axis=0) > 0:
+                w = tl.load(addr, mask=m, other=0, volatile=True)
+            acc += w.to(tl.int32).to(tl.float32, bitcast=True)
+        if tl.atomic_add(state_ptr + 1, 1) == tl.num_programs(0) - 1:  # the last program numbers the next call
+            tl.store(state_ptr + 1, 0)
+            tl.store(state_ptr, call + 1)
+        return acc
+
+    @triton.jit
+    def _push_all_reduce_kernel(x_ptr, out_ptr, ptrs_ptr, state_ptr, n, slot, RANK: tl.constexpr,
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
+        acc = _push_sum(x, offs, m, ptrs_ptr, state_ptr, slot, RANK, WORLD)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _push_all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ptrs_ptr, state_ptr, n_cols,
+                                        inv_n, eps, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                        BLOCK: tl.constexpr):
+        # one program per row: the norm needs the whole row
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        offs = tl.program_id(0).to(tl.int64) * n_cols + cols
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
+        DT = x.dtype
+        s = _round(_push_sum(x, offs, m, ptrs_ptr, state_ptr, slot, RANK, WORLD), DT)  # what all_reduce returns
+        # from here the arithmetic of _add_rmsnorm_kernel
+        r = tl.load(res_ptr + offs, mask=m, other=0.0)
+        xf = _round(s + r.to(tl.float32), DT)
+        tl.store(res_out_ptr + offs, xf.to(DT), mask=m)
+        rstd = _rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
+        y = _round(xf * rstd, DT)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        tl.store(out_ptr + offs, _round(w.to(tl.float32) * y, DT).to(DT), mask=m)
+
+    @triton.jit
     def _resolve_tokens_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         m = offs < n
@@ -406,6 +460,38 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return F.linear(x, w)
         cfg = _GEMV_CHOICE[key] = _choose(x, w)
     return F.linear(x, w) if cfg == "torch" else _gemv(x, w, cfg)
+
+
+def push_all_reduce(x: torch.Tensor, ptrs: torch.Tensor, state: torch.Tensor, slot: int, rank: int,
+                    world: int) -> torch.Tensor:
+    """Sum of `x` over the ranks, for small messages (distributed._PushAllReduce owns the buffers).
+
+    Each rank stores its values, each tagged with the number of the call, straight into every rank's
+    symmetric-memory buffer (`ptrs`: the buffer's address on each rank; `slot` values per rank), then
+    sums the slots of all ranks once their tags say this call's values have arrived: one kernel, no
+    barrier before it. `state` ([call number, programs done], int64 on the device) numbers the calls."""
+    assert x.is_contiguous() and x.numel() <= slot
+    out = torch.empty_like(x)
+    n = x.numel()
+    block = 512
+    _push_all_reduce_kernel[(max(1, triton.cdiv(n, block)),)](x, out, ptrs, state, n, slot, RANK=rank, WORLD=world,
+                                                              BLOCK=block, num_warps=4)
+    return out
+
+
+def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                ptrs: torch.Tensor, state: torch.Tensor, slot: int, rank: int,
+                                world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rmsnorm(push_all_reduce(x), residual, weight, eps)` in one kernel, one program per row."""
+    n = x.shape[-1]
+    assert x.is_contiguous() and residual.is_contiguous() and x.numel() <= slot
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    rows = x.numel() // n
+    if rows:
+        block = triton.next_power_of_2(n)
+        _push_all_reduce_rmsnorm_kernel[(rows,)](x, residual, weight, out, res_out, ptrs, state, n, 1.0 / n, eps,
+                                                 slot, RANK=rank, WORLD=world, BLOCK=block, num_warps=_warps(block))
+    return out, res_out
 
 
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.layer_id, self.rotary, d = layer_id, rotary, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias)
+        # partial sums: the post-attention norm all-reduces them (fused with its residual add and norm)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, reduce=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)  # per-head norms on Q and K, before RoPE
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, d
@@ -40,7 +41,7 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False)  # as o_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -54,16 +55,19 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen3Attention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual adds live inside the norms: h = x + attn(norm(x)); out = h + mlp(norm(h)).
-        x, residual = self.input_layernorm(x, residual)
+        # The residual adds live inside the norms: h = x + attn(norm(x)); out = h + mlp(norm(h)). The
+        # attention and MLP outputs leave their row-parallel projections as per-rank partial sums; the norm
+        # after each all-reduces them. Layer 0's input is the embedding, whole on every rank.
+        x, residual = self.input_layernorm(x, residual, reduce=self.layer_id > 0)
         x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, reduce=True)
         return self.mlp(x), residual
 
 
@@ -79,7 +83,7 @@ class Qwen3Model(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, reduce=True)[0]  # the last layer's MLP output is still partial
 
 
 class Qwen3ForCausalLM(nn.Module):
