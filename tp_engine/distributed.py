@@ -162,14 +162,15 @@ class _PushAllReduce(_SymmAllReduce):
         handle = symm_mem.rendezvous(self.buf, tp.group.group_name)
         self.ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
         self.state = torch.tensor([1, 0], dtype=torch.int64, device=tp.device)
+        self.ss = torch.zeros(self.slot // 32 + 64, dtype=torch.int64, device=tp.device)  # see add_rmsnorm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.push_all_reduce(x, self.ptrs, self.state, self.slot, self.rank, self.world)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.push_all_reduce_add_rmsnorm(x, residual, weight, eps, self.ptrs, self.state, self.slot,
-                                                    self.rank, self.world)
+        return self.ops.push_all_reduce_add_rmsnorm(x, residual, weight, eps, self.ptrs, self.state, self.ss,
+                                                    self.slot, self.rank, self.world)
 
 
 _FAST_AR: dict = {}
