@@ -25,6 +25,11 @@ from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.sampler import sample
 from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message
 
+log = logging.getLogger("tp_engine")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
+
 
 @dataclass
 class Issued:
@@ -32,11 +37,6 @@ class Issued:
     plan: Plan
     tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is synchronous)
-
-log = logging.getLogger("tp_engine")
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
 
 
 def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
