@@ -76,3 +76,19 @@ def test_length_limit_is_not_overrun():
     sched.update(first, [5])
     sched.update(second, [6])
     assert r.output_ids == [5, 6] and r.finish_reason == "length" and not sched.has_work()
+
+
+def test_engine_issues_the_next_step_before_reading_tokens(tmp_path):
+    """Engine.run keeps one step in flight: it issues step k+1 before it reads step k's tokens."""
+    from helpers import make_checkpoint
+    from tp_engine.llm import LLM
+
+    llm = LLM(model=str(make_checkpoint(tmp_path / "m", vocab=256)), device="cpu")
+    events = []
+    issue, take = llm.engine.issue, llm.engine.take_tokens
+    llm.engine.issue = lambda *a: events.append("issue") or issue(*a)
+    llm.engine.take_tokens = lambda *a: events.append("take") or take(*a)
+    out = llm.generate([{"input_ids": [5, 6, 7]}], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0]["output_token_ids"]) == 4
+    # prefill, then 3 decode steps; each step's tokens are read after the next step is issued
+    assert events == ["issue", "issue", "take", "issue", "take", "issue", "take", "take"]
