@@ -325,6 +325,50 @@ sys.exit(main())
 """
 
 
+STUCK = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import engine
+if os.environ["RANK"] == "1":
+    real, calls = engine.Engine.forward, [0]
+    def forward(self, batch):
+        calls[0] += 1
+        if calls[0] == 150:  # rank 1 stops taking part; rank 0 blocks in its next collective
+            open({marker!r}, "w").close()
+            time.sleep(600)
+        return real(self, batch)
+    engine.Engine.forward = forward
+from tp_engine.cli import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_ends_a_rank_blocked_in_a_collective(ckpt, tmp_path):
+    """SIGTERM to a rank that waits in a collective for a stuck peer: it leaves at once (not after
+    timeout_s), and torchrun then ends the stuck one."""
+    marker = tmp_path / "stuck"
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK.format(root=str(ROOT), marker=str(marker)))
+    cfg, out = long_job(ckpt, tmp_path)
+    proc = start_job(cfg, tmp_path, script=script)
+    try:
+        t0 = time.time()
+        while not marker.exists():
+            assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 is now inside a collective that rank 1 never joins
+        os.kill(worker_pids(proc.pid)[0], signal.SIGTERM)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=25)
+        assert time.time() - t0 < 25
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM" in err
+    check_results_file(out, 300)
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
     script = tmp_path / "faulty.py"

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import sys
 import time
 from pathlib import Path
@@ -240,3 +241,19 @@ def install_signal_handlers(rank: int) -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    # `stop` runs only once the main thread is back in Python. A rank blocked in a collective (a peer
+    # stuck, or gone without its sockets closing) would not get there before timeout_s, and torchrun
+    # kills it only 30 s after asking. The interpreter's C-level handler also writes the signal's number
+    # to this pipe at once; the thread below then ends the rank itself.
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            signum = os.read(read_end, 1)[0]
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                time.sleep(1.0)  # the main thread's handler normally exits first
+                stop(signum, None)
+
+    threading.Thread(target=watch, name="signal-watch", daemon=True).start()
