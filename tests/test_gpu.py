@@ -139,7 +139,7 @@ def test_fused_qkv_path_matches_torch_path():
     """The fused Q/K norm + RoPE + K/V write kernel feeds attention the same values as the torch ops."""
     needs_flashinfer()
     from tp_engine.attention.flashinfer_backend import FlashInferBackend
-    from tp_engine.config import ModelConfig
+    from tp_engine.model_config import ModelConfig
     from tp_engine.kv_cache import KVCache
     from tp_engine.layers import RotaryEmbedding
     from tp_engine.models.qwen3 import Qwen3Attention

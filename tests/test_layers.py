@@ -147,7 +147,7 @@ def test_parallel_layer_equals_unsharded(name, world, failures):
 
 
 def test_tp_that_cannot_split_heads_names_the_numbers():
-    from tp_engine.config import ModelConfig, ModelError
+    from tp_engine.model_config import ModelConfig, ModelError
     cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
                                  "num_attention_heads": 6, "num_key_value_heads": 3})
     with pytest.raises(ModelError, match="num_attention_heads=6 .* size 4"):

@@ -16,11 +16,12 @@ import torch
 
 from tp_engine import distributed as tpd
 from tp_engine.attention import make_backend
-from tp_engine.config import ModelConfig, fingerprint
+from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
 from tp_engine.layers import fused_ops
 from tp_engine.loader import init_dummy, load_checkpoint
+from tp_engine.model_config import ModelConfig
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.sampler import sample
 from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_engine.config import ModelConfig
+from tp_engine.model_config import ModelConfig
 from tp_engine.context import get_context
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                               RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, fused_ops)

@@ -1,0 +1,108 @@
+"""The checkpoint's config.json (and generation_config.json): the Qwen3 fields the engine reads, and checks
+that the model is one this engine runs and that it splits across the TP size."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelError(ValueError):
+    """A problem with the checkpoint's config.json or its fit to the TP size."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Qwen3 fields the engine reads from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{path} not found: the model directory needs a config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw, str(path), _generation_eos(Path(model_dir)))
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
+        arch = raw.get("architectures") or []
+        if raw.get("model_type") not in (None, "qwen3") or (arch and arch[0] != "Qwen3ForCausalLM"):
+            raise ModelError(f"{where}: unsupported architecture {arch or raw.get('model_type')!r}; "
+                             "this engine runs Qwen3ForCausalLM (model_type qwen3)")
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ModelError(f"{where} is missing required field(s): {', '.join(missing)}")
+        if raw.get("use_sliding_window"):
+            raise ModelError(f"{where}: use_sliding_window=true is not supported")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+        heads = raw["num_attention_heads"]
+        # transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests them in rope_parameters.
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ModelError(f"{where}: rope scaling type {rope_type!r} is not supported (only default RoPE)")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            eos_token_ids=tuple(dict.fromkeys(eos_ids + extra_eos)),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        )
+
+    def check_tp(self, tp: int) -> None:
+        """Fail early, naming the numbers, when the heads cannot be split across `tp` ranks."""
+        if self.num_heads % tp:
+            raise ModelError(f"cannot split num_attention_heads={self.num_heads} across tensor-parallel size {tp}: "
+                             "it must divide evenly")
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
+                             f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
+        if self.intermediate_size % tp:
+            raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across tensor-parallel "
+                             f"size {tp}: it must divide evenly")
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from None
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
