@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tp_engine import config as C  # noqa: E402
-from tp_engine import distributed as tpd  # noqa: E402
+from tp_engine import comm  # noqa: E402
 from tp_engine.engine import Engine  # noqa: E402
 from tp_engine.sampler import SamplingParams  # noqa: E402
 from tp_engine.scheduler import Request  # noqa: E402
@@ -132,7 +132,7 @@ def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     done = index.is_file()
     if world > 1:
-        done = tpd.all_gather_object(done)[0]
+        done = comm.all_gather_object(done)[0]
     if done:
         return 0.0
     t0 = time.perf_counter()
@@ -170,7 +170,7 @@ def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if world > 1:
-        tpd.all_gather_object(True)  # every rank waits until all shards and the index exist
+        comm.all_gather_object(True)  # every rank waits until all shards and the index exist
     return time.perf_counter() - t0
 
 
@@ -306,7 +306,7 @@ class HostTimers:
 
         self.t: dict[str, float] = {}
         self.patches = []
-        for owner, name, label in ((E.tpd, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
+        for owner, name, label in ((E.comm, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
                                    (Scheduler, "schedule", "schedule"), (Scheduler, "issue", "encode"),
                                    (Scheduler, "update", "update"), (engine, "forward", "forward_launch"),
                                    (engine, "share_tokens", "sample_and_share"),
@@ -351,7 +351,7 @@ def host_profile(engine: Engine, args, res: dict) -> None:
     steps = args.new_tokens + 1  # the prefill step, the decode steps and the stop message
     mine = {k: round(v / steps * 1e6, 1) for k, v in timers.t.items()}
     mine["wall_per_step"] = round(wall / steps * 1e6, 1)
-    per_rank = tpd.all_gather_object(mine) if engine.tp.size > 1 else [mine]
+    per_rank = comm.all_gather_object(mine) if engine.tp.size > 1 else [mine]
     if engine.tp.is_first:
         res["latency"]["host_us_per_step"] = {f"rank{r}": d for r, d in enumerate(per_rank)}
 
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
     try:
         if args.write_checkpoint:
             if world > 1:  # the engine would join the ranks later; the writer needs them now
-                tpd.init_distributed(tpd.pick_device("auto"))
+                comm.init_distributed(comm.pick_device("auto"))
             res["checkpoint_write_s"] = round(write_checkpoint(args.model, args.write_checkpoint, args.seed), 2)
             ckpt = args.write_checkpoint
             options.update(model=ckpt, load_format="auto")
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
                 res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
             res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
             res["cuda_graph"] = engine.graphs is not None
-            from tp_engine.layers import fused_ops
+            from tp_engine.kernels import fused_ops, gemv
             res["fused_triton_kernels"] = fused_ops(engine.device) is not None
             res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
             res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
@@ -525,9 +525,8 @@ def main(argv=None) -> int:
                     host_profile(engine, args, res)
             if "throughput" in workloads:
                 bench_throughput(engine, args, res)
-            ops = fused_ops(engine.device)
-            if ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
-                res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in ops._GEMV_CHOICE.items()}
+            if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
+                res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
             del engine
             engine = None
             gc.collect()
@@ -546,7 +545,7 @@ def main(argv=None) -> int:
                 Path(args.out).write_text(line + "\n")
         if dist.is_initialized():
             try:
-                tpd.shutdown()
+                comm.shutdown()
             except Exception:
                 pass
     return 0

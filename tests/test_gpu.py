@@ -180,8 +180,8 @@ def test_fused_qkv_path_matches_torch_path():
     torch.testing.assert_close(out_f.float(), out_t.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_triton_ops_match_torch():
-    from tp_engine.layers import fused_ops
+def test_fused_kernels_match_torch():
+    from tp_engine.kernels import fused_ops, gemv
     from tp_engine.layers.norm import RMSNorm
     from tp_engine.sampler import SamplingParams, sample
 
@@ -210,8 +210,8 @@ def test_triton_ops_match_torch():
     w = torch.randn(3000, 1024, device=DEV).to(BF16) * 0.05
     xv = torch.randn(1, 1024, device=DEV).to(BF16)
     ref = torch.nn.functional.linear(xv, w)
-    for cfg in ops.GEMV_CONFIGS:
-        torch.testing.assert_close(ops._gemv(xv, w, cfg), ref)
+    for cfg in gemv.GEMV_CONFIGS:
+        torch.testing.assert_close(gemv._gemv(xv, w, cfg), ref)
     torch.testing.assert_close(ops.linear(xv, w), ref)
     # sampling: the fused Gumbel-max picks what the torch sampler picks
     B = 48
@@ -323,14 +323,15 @@ def test_tp2_matches_tp1_greedy(tiny_ckpt, hf_model, tmp_path):
 ALL_REDUCE_SCRIPT = """
 import os, sys
 import torch, torch.distributed as dist
-from tp_engine import distributed as tpd
-from tp_engine.layers import fused_ops
+from tp_engine import comm
+from tp_engine.comm.custom_all_reduce import _FAST_AR
+from tp_engine.kernels import fused_ops
 
 dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-tp = tpd.init_distributed(dev)
-kind = tpd.enable_fast_all_reduce(tp, torch.bfloat16)
+tp = comm.init_distributed(dev)
+kind = comm.enable_fast_all_reduce(tp, torch.bfloat16)
 assert kind == "push", kind
-fast, ops = tpd._FAST_AR[tp.group], fused_ops(dev)
+fast, ops = _FAST_AR[tp.group], fused_ops(dev)
 g = torch.Generator(device=dev).manual_seed(tp.rank)
 with torch.inference_mode():
     for n in [1, 7, 4096, 5000, 65536, 262144] * 3:  # both buffers, sizes up and down
@@ -342,7 +343,7 @@ with torch.inference_mode():
         x = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
         res = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
         w = torch.rand(4096, device=dev, generator=g).to(torch.bfloat16) + 0.5
-        out, new_res = tpd.all_reduce_add_rmsnorm(x, res, w, 1e-6)
+        out, new_res = comm.all_reduce_add_rmsnorm(x, res, w, 1e-6)
         ref_out, ref_res = ops.add_rmsnorm(fast(x), res, w, 1e-6)
         assert torch.equal(new_res, ref_res), rows
         torch.testing.assert_close(out, ref_out)
@@ -361,7 +362,7 @@ with torch.inference_mode():
             assert torch.equal(o, ref)
 torch.cuda.synchronize()
 print("all-reduce ok", tp.rank)
-tpd.shutdown()
+comm.shutdown()
 """
 
 

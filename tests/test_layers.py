@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tp_engine import distributed as tpd
+from tp_engine import comm
 from tp_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                               RowParallelLinear, VocabParallelEmbedding)
 from tp_engine.loader import TensorSource
@@ -18,14 +18,14 @@ TOL = dict(rtol=1.3e-6, atol=1e-5)
 
 def _worker(rank, world, init_file, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    tpd.set_tp(tpd.TPGroup(rank, world, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD))
+    comm.set_tp(comm.TPGroup(rank, world, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD))
     for name, check in CHECKS.items():
         torch.manual_seed(0)  # the same full weights and inputs on every rank
         try:
             check(rank, world)
         except Exception:
             errors.put((name, f"rank {rank}: {traceback.format_exc()}"))
-    tpd.shutdown()  # drops every reference to the group first: gloo can abort a process that exits holding one
+    comm.shutdown()  # drops every reference to the group first: gloo can abort a process that exits holding one
     gc.collect()
 
 

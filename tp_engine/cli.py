@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from tp_engine import config as C
-from tp_engine.distributed import StartupError
+from tp_engine.comm import StartupError
 from tp_engine.progress import Progress, Streamer
 
 log = logging.getLogger("tp_engine")
@@ -143,7 +143,7 @@ def finish(llm, code: int) -> int:
     can abort a rank whose peer (the store host) exited first, which would fail a run that succeeded."""
     if llm.tp.size == 1:
         return code
-    from tp_engine import distributed as tpd
+    from tp_engine import comm as tpd
     tpd.barrier(llm.tp)
     sys.stdout.flush()
     sys.stderr.flush()

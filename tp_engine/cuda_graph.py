@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from tp_engine import distributed as tpd
+from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, page_ids, slot_rows
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import pages_for
@@ -48,7 +48,7 @@ class GraphRunner:
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
-        self.allreduce = tpd.enable_fast_all_reduce(self.tp, engine.dtype)
+        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype)
 
         # static inputs, shared by all buckets (a bucket of size b reads the first b rows); one row each for
         # token ids, positions and KV slots, so that one copy fills all three

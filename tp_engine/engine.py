@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
-from tp_engine import distributed as tpd
+from tp_engine import comm
 from tp_engine.attention import make_backend
 from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
-from tp_engine.layers import fused_ops
+from tp_engine.kernels import fused_ops
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
@@ -62,17 +62,17 @@ class Engine:
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
         try:
-            device = tpd.pick_device(cfg["device"])
+            device = comm.pick_device(cfg["device"])
         except ValueError as e:  # the same on every rank: each exits, rank 0 says why
-            raise tpd.StartupError(str(e)) from None
-        self.tp = tpd.init_distributed(device, cfg["timeout_s"])
+            raise comm.StartupError(str(e)) from None
+        self.tp = comm.init_distributed(device, cfg["timeout_s"])
         self.device = device
         error = None
         try:
             self._setup_model()
         except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
             error = e
-        tpd.check_startup(error, fingerprint(cfg), self.tp)
+        comm.check_startup(error, fingerprint(cfg), self.tp)
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]
@@ -135,7 +135,7 @@ class Engine:
         else:
             most = self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
             n = min(CPU_KV_BYTES // per_page, most)
-        n = tpd.all_reduce_min(n, self.tp)  # every rank must have the same pool
+        n = comm.all_reduce_min(n, self.tp)  # every rank must have the same pool
         if self.tp.is_first:
             log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
         return n
@@ -174,11 +174,11 @@ class Engine:
         out = self.last_tokens[:n]
         if tokens is not None:
             out.copy_(tokens)
-        return tpd.broadcast(out, self.tp)
+        return comm.broadcast(out, self.tp)
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
-        while (batch := decode_message(tpd.broadcast_ints(None, self.tp), self.device)) is not None:
+        while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device)) is not None:
             self.forward(batch)
             self.share_tokens(None, batch.size)
 
@@ -213,7 +213,7 @@ class Engine:
 
     def release_followers(self) -> None:
         if self.tp.size > 1:
-            tpd.broadcast_ints(stop_message(), self.tp)
+            comm.broadcast_ints(stop_message(), self.tp)
 
     def issue(self, sched: Scheduler, plan: Plan) -> Issued:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
@@ -221,7 +221,7 @@ class Engine:
         reqs = plan.reqs
         seeds = [r.params.seed * 1_000_003 + r.index for r in reqs]
         steps = [r.num_outputs for r in reqs]  # the output index each request samples now
-        batch = decode_message(tpd.broadcast_ints(sched.issue(plan), self.tp), self.device)
+        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device)
         logits = self.forward(batch)
         tokens = self.share_tokens(sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps), len(reqs))
         if tokens.is_cuda:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tp_engine import config as C
-from tp_engine import distributed as tpd
+from tp_engine import comm as tpd
 from tp_engine.engine import Engine
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request

@@ -65,9 +65,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     dev = logits.device
     if logits.is_cuda and logits.dtype == torch.float32 and all(
             params[i].top_k == 0 and params[i].top_p >= 1 for i in rows):
-        from tp_engine.layers import fused_ops
+        from tp_engine.kernels import fused_ops
         ops = fused_ops(dev)
-        if ops is not None:  # the same draw in one pass over the logits (layers/triton_ops.py)
+        if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
             row_hash = _hash32(_hash32(to_device([seeds[i] for i in rows], torch.int64, dev) & _M32)
                                ^ (to_device([steps[i] for i in rows], torch.int64, dev) & _M32))
             temps = to_device([params[i].temperature for i in rows], torch.float32, dev)

@@ -6,7 +6,7 @@ module serves prefill, eager decode and the CUDA-graph decode wrappers (cuda_gra
 
 `prepare(batch)` plans once per step (all layers share the plan); `forward` writes K/V into the pages
 (one index_copy_ each, no Python loop) and attends. `forward_qkv` is the fused path the model takes
-when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V write (layers/triton_ops.py).
+when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V write (kernels/norm.py).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class FlashInferBackend:
         self.split_kv = os.environ.get("TP_ENGINE_SPLIT_KV", "1") != "0"
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
-        from tp_engine.layers import fused_ops
+        from tp_engine.kernels import fused_ops
         self.ops = fused_ops(device)
         self.fuses_qkv = self.ops is not None
 

@@ -1,8 +1,8 @@
 from tp_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear)
-from tp_engine.layers.norm import RMSNorm, fused_ops
+from tp_engine.layers.norm import RMSNorm
 from tp_engine.layers.rotary import RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "RotaryEmbedding", "fused_ops"]
+           "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "RotaryEmbedding"]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_engine.context import get_context
-from tp_engine.distributed import all_reduce, gather_to_rank0, get_tp
+from tp_engine.comm import all_reduce, gather_to_rank0, get_tp
 from tp_engine.layers.linear import check_shape, matmul
 
 PAD_TO = 64  # each rank's slice is a multiple of 64 rows, which keeps the matmul aligned

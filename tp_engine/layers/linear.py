@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_engine.distributed import all_reduce, get_tp
-from tp_engine.layers.norm import fused_ops
+from tp_engine.comm import all_reduce, get_tp
+from tp_engine.kernels import fused_ops
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (layers/triton_ops.py)."""
+    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (kernels/gemv.py)."""
     if bias is None and x.is_cuda:
         ops = fused_ops(x.device)
         if ops is not None:

@@ -4,20 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_engine.distributed import all_reduce, all_reduce_add_rmsnorm
-
-_FUSED: dict[str, object] = {}
-
-
-def fused_ops(device: torch.device):
-    """The fused Triton kernels (layers/triton_ops.py) for tensors on `device`, or None: CPU tensors, no
-    Triton, or TP_ENGINE_TRITON=0. The CPU path never imports Triton."""
-    if device.type != "cuda":
-        return None
-    if "ops" not in _FUSED:
-        from tp_engine.layers import triton_ops
-        _FUSED["ops"] = triton_ops if triton_ops.available() and triton_ops.self_test(device) else None
-    return _FUSED["ops"]
+from tp_engine.comm import all_reduce, all_reduce_add_rmsnorm
+from tp_engine.kernels import fused_ops
 
 
 class RMSNorm(nn.Module):

@@ -6,8 +6,9 @@ from torch import nn
 
 from tp_engine.model_config import ModelConfig
 from tp_engine.context import get_context
+from tp_engine.kernels import fused_ops
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, fused_ops)
+                              RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 
 
 class Qwen3Attention(nn.Module):

@@ -1,0 +1,129 @@
+"""All communication between ranks: every collective the engine runs, by name.
+
+Tensor collectives run on the compute device (`TPGroup.group`: NCCL on CUDA, gloo on CPU) inside the
+model's forward; control messages run on the CPU group (gloo), rank 0 deciding and the others following.
+A world of one has no groups and every function here is the identity, so a single-process run needs no
+torchrun. The groups themselves are in comm/group.py, the choice of all-reduce for small messages in
+comm/custom_all_reduce.py, the step message's shared-memory path in comm/shm_channel.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce
+from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, init_distributed, pick_device,
+                                  set_tp, shutdown)
+
+__all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "StartupError",
+           "check_startup", "enable_fast_all_reduce", "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
+           "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier", "all_reduce_min"]
+
+
+# ---- tensor collectives on the compute device (used inside the model's forward) ----
+
+def all_reduce(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
+    """Sum `x` over the ranks and return the sum: in place with NCCL, a new tensor on the paths below.
+
+    On CUDA: messages up to the fast all-reduce's `max_bytes` go through it when `enable_fast_all_reduce`
+    set one up; inside a CUDA-graph capture NCCL is called through the functional collectives, which replay
+    faster than `dist.all_reduce`.
+    """
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return x
+    if x.is_cuda:
+        fast = _FAST_AR.get(tp.group)
+        if fast is not None and fast.fits(x):
+            return fast(x)
+        if torch.cuda.is_current_stream_capturing():
+            out = torch.ops._c10d_functional.all_reduce(x, "sum", tp.group.group_name)
+            return torch.ops._c10d_functional.wait_tensor(out)
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one kernel, where the push
+    all-reduce is set up and `x` fits it; otherwise None, and the caller does the two steps."""
+    tp = tp or get_tp()
+    fast = _FAST_AR.get(tp.group) if tp.size > 1 and x.is_cuda else None
+    if isinstance(fast, _PushAllReduce) and fast.fits(x) and x.dim() == 2 and residual.is_contiguous() \
+            and weight.dtype == x.dtype == residual.dtype:
+        return fast.add_rmsnorm(x, residual, weight, eps)
+    return None
+
+
+def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor | None:
+    """Concatenate each rank's `x` along the last dim on rank 0; other ranks get None."""
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
+    dist.gather(x, parts, dst=0, group=tp.group)
+    return torch.cat(parts, dim=-1) if tp.rank == 0 else None
+
+
+def broadcast(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
+    """Overwrite `x` on every rank with rank 0's `x`, on the compute device (the sampled tokens, each step).
+    On CUDA the host does not wait: the copy is queued on the stream like a kernel."""
+    tp = tp or get_tp()
+    if tp.size > 1:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
+# ---- control messages on the CPU group (rank 0 decides, the others follow) ----
+
+def broadcast_ints(values: torch.Tensor | None, tp: TPGroup | None = None) -> torch.Tensor:
+    """Send a 1-D int64 CPU tensor from rank 0 to all ranks (others pass None and receive it)."""
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return values
+    if tp.channel is not None:
+        got = tp.channel.send(values) if tp.rank == 0 else tp.channel.recv()
+        if got is not None:
+            return got
+        # too large for the shared buffer: this message goes through gloo (the channel said so to all)
+    n = torch.tensor([values.numel() if tp.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(n, src=0, group=tp.cpu_group)
+    if tp.rank != 0:
+        values = torch.empty(int(n.item()), dtype=torch.int64)
+    dist.broadcast(values, src=0, group=tp.cpu_group)
+    return values
+
+
+def broadcast_object(obj, tp: TPGroup | None = None):
+    """Send any picklable object from rank 0 to all ranks."""
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return obj
+    box = [obj if tp.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+    return box[0]
+
+
+def all_gather_object(obj, tp: TPGroup | None = None) -> list:
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return [obj]
+    out = [None] * tp.size
+    dist.all_gather_object(out, obj, group=tp.cpu_group)
+    return out
+
+
+def barrier(tp: TPGroup | None = None) -> None:
+    tp = tp or get_tp()
+    if tp.size > 1:
+        dist.barrier(group=tp.cpu_group)
+
+
+def all_reduce_min(value: int, tp: TPGroup | None = None) -> int:
+    tp = tp or get_tp()
+    if tp.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t.item())

@@ -1,0 +1,108 @@
+"""The ranks of a run: joining the torchrun world, its process groups, leaving it, and the start-up check.
+
+Two process groups: `group` carries tensors on the compute device (NCCL on CUDA, gloo on CPU) and
+`cpu_group` (gloo) carries the small control messages rank 0 sends each step. A world of one has no
+groups, so a single-process run needs no torchrun.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tp_engine.comm.shm_channel import ShmChannel
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+    channel: ShmChannel | None = None  # fast path of broadcast_ints when all ranks share a host
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+_TP = TPGroup()
+
+
+def get_tp() -> TPGroup:
+    return _TP
+
+
+def set_tp(tp: TPGroup) -> None:
+    """Install the group the layers communicate through (tests use this to swap groups)."""
+    global _TP
+    _TP = tp
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("config key 'device' is cuda but no CUDA device is visible")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: float = 300.0) -> TPGroup:
+    """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1:
+        set_tp(TPGroup(0, 1, device))
+        return _TP
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    group = dist.group.WORLD
+    cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    channel = _TP.channel if _TP.size == world else None  # joined before (a tool, then the engine): keep it
+    set_tp(TPGroup(rank, world, device, group, cpu_group, channel))
+    if device.type == "cuda" and channel is None:
+        _TP.channel = ShmChannel.create(_TP, timeout_s)
+    return _TP
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier(group=_TP.cpu_group)  # no rank tears down while another still talks to it
+        if _TP.channel is not None:
+            _TP.channel.close()
+        dist.destroy_process_group()
+    set_tp(TPGroup())
+
+
+class StartupError(RuntimeError):
+    """Raised on every rank when any rank failed to start, with that rank's message."""
+
+
+def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | None = None) -> None:
+    """Every rank reports its start-up outcome and config fingerprint; all raise if any failed or differ.
+
+    Called before the first collective of the run, so a rank that failed to load cannot leave the others
+    waiting in a collective it will never join.
+    """
+    tp = tp or _TP
+    mine = (None if error is None else str(error), fingerprint, int(os.environ.get("WORLD_SIZE", "1")))
+    reports = [mine]
+    if tp.size > 1:
+        reports = [None] * tp.size
+        dist.all_gather_object(reports, mine, group=tp.cpu_group)
+    for r, (msg, _, _) in enumerate(reports):
+        if msg is not None:
+            raise StartupError(msg if r == 0 or msg == reports[0][0] else f"rank {r}: {msg}")
+    if len({fp for _, fp, _ in reports}) > 1:
+        raise StartupError("ranks were started with different configurations: "
+                           + ", ".join(f"rank {r}: {fp}" for r, (_, fp, _) in enumerate(reports)))
+    if len({w for _, _, w in reports}) > 1:
+        raise StartupError("ranks disagree on WORLD_SIZE: " + ", ".join(str(w) for _, _, w in reports))

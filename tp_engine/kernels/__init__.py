@@ -1,0 +1,191 @@
+"""Fused GPU kernels (Triton) for the decode hot path, each equal in arithmetic to the torch code it replaces.
+
+Every kernel repeats the rounding steps of the torch reference (compute in fp32, round to the model dtype
+where torch would), so swapping one for the other changes results only through the order of a sum:
+
+- kernels/norm.py: `add_rmsnorm` (residual add + RMSNorm, layers/norm.py), `qk_norm_rope_store` (per-head
+  RMSNorm of Q and K, rotate-half RoPE and the write of K and V into the paged cache, in one kernel) and
+  `silu_mul` (silu(gate) * up of the MLP).
+- kernels/gemv.py: `linear`, a batch-1 matmul through a GEMV kernel for the weight shapes where that
+  measures faster than cuBLAS (the choice is made once per shape, by timing both).
+- kernels/sampling.py: `gumbel_argmax` (the sampler's temperature + hashed Gumbel noise + argmax, reading
+  the logits once) and `resolve_tokens` (the previous step's sampled tokens into the step's input ids).
+
+The push all-reduce (comm/push_all_reduce.py) is built on the helpers here too. This module holds the
+registry the model asks for them (`fused_ops`), their start-up check (`self_test`) and the Triton helpers
+the kernels share. It imports nothing else of the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = tl = None
+
+log = logging.getLogger("tp_engine")
+
+_INTERPRET = bool(os.environ.get("TRITON_INTERPRET"))
+_libdevice = None
+if triton is not None and not _INTERPRET:
+    try:
+        from triton.language.extra.cuda import libdevice as _libdevice
+    except ImportError:
+        try:
+            from triton.language.extra import libdevice as _libdevice
+        except ImportError:
+            _libdevice = None
+# libdevice's expf/logf/rsqrtf are the functions torch's CUDA kernels call; Triton's own tl.exp etc.
+# are faster approximations. The interpreter (CPU tests) has no libdevice.
+PRECISE = _libdevice is not None
+
+
+def available() -> bool:
+    return triton is not None and os.environ.get("TP_ENGINE_TRITON", "1") != "0"
+
+
+# ---- the registry ----
+
+_CHOSEN: dict[str, object] = {}  # "ops": what fused_ops returns on CUDA, once decided
+
+
+def _ops() -> SimpleNamespace:
+    from . import gemv, norm, sampling  # the kernel modules import the helpers below from this one
+
+    return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
+                           silu_mul=norm.silu_mul, linear=gemv.linear, gumbel_argmax=sampling.gumbel_argmax,
+                           resolve_tokens=sampling.resolve_tokens)
+
+
+def fused_ops(device: torch.device):
+    """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
+    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax and resolve_tokens.
+
+    The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
+    (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never
+    compiles a kernel."""
+    if device.type != "cuda":
+        return None
+    if "ops" not in _CHOSEN:
+        _CHOSEN["ops"] = select(device, "auto")
+    return _CHOSEN["ops"]
+
+
+def select(device: torch.device, mode: str = "auto"):
+    """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None.
+
+    auto: the kernels on CUDA when Triton imports and the self-test passes, else None (with a warning);
+    on: the same, but a missing Triton or a failed self-test raises ValueError; off: None."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    if device.type != "cuda":
+        raise ValueError("advanced.fused_kernels is on, but the fused Triton kernels run on CUDA only; "
+                         "set it to auto or off on CPU")
+    if not available():
+        if mode == "on":
+            raise ValueError("advanced.fused_kernels is on, but Triton cannot be imported")
+        log.warning("fused Triton kernels disabled (Triton cannot be imported)")
+        return None
+    failure = self_test(device)
+    if failure is None:
+        return _ops()
+    if mode == "on":
+        raise ValueError(f"advanced.fused_kernels is on, but the fused Triton kernels failed their self-test: "
+                         f"{failure}")
+    log.warning("fused Triton kernels disabled (self-test failed: %s)", failure)
+    return None
+
+
+def use(ops) -> None:
+    """Install what `fused_ops` returns from now on: the kernels (from `select`) or None."""
+    _CHOSEN["ops"] = ops
+
+
+def self_test(device: torch.device) -> str | None:
+    """Compile and run each kernel once on small inputs against the torch ops: None if all agree, else what
+    went wrong (`select` then falls back to the torch code, or stops the start-up under `on`)."""
+    try:
+        ops = _ops()
+        g = torch.Generator(device=device).manual_seed(0)
+        dt = torch.bfloat16
+        x = torch.randn(3, 256, device=device, generator=g).to(dt)
+        r = torch.randn(3, 256, device=device, generator=g).to(dt)
+        w = torch.randn(256, device=device, generator=g).to(dt)
+        out, res = ops.add_rmsnorm(x, r, w, 1e-6)
+        h = (x + r).float()
+        ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt)
+        tol = dict(atol=5e-2, rtol=5e-2)  # catches broken kernels; the tests check exactness
+        torch.testing.assert_close(out, ref, **tol)
+        a, b = x.chunk(2, dim=-1)
+        torch.testing.assert_close(ops.silu_mul(x), torch.nn.functional.silu(a) * b, **tol)
+        logits = torch.randn(2, 5000, device=device, generator=g)
+        got = ops.gumbel_argmax(logits, torch.tensor([1], device=device), torch.tensor([1.0], device=device),
+                                torch.tensor([12345], device=device))
+        assert 0 <= int(got[0]) < 5000
+        cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)
+        qkv = torch.randn(2, 3 * 128, device=device, generator=g).to(dt)
+        cos = torch.ones(8, 128, device=device)
+        sin = torch.zeros(8, 128, device=device)
+        ones = torch.ones(128, device=device, dtype=dt)
+        rows = torch.tensor([0, 9], device=device)  # slots 0 (page 0) and 5 (page 1, offset 1)
+        q = ops.qk_norm_rope_store(qkv, ones, ones, 1e-6, cos, sin, torch.tensor([0, 1], device=device), rows,
+                                   cache, 1, 1, 128, 4)
+        qf = qkv[:, :128].float()
+        torch.testing.assert_close(q[:, 0], (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), **tol)
+        assert torch.equal(cache[1, 1, 1, 0], qkv[1, 256:])
+        torch.cuda.synchronize(device)
+        return None
+    except Exception as e:  # a broken kernel must not take the engine down: the torch ops still work
+        return f"{type(e).__name__}: {e}"
+
+
+# ---- helpers shared by the kernels ----
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+if triton is not None:
+    if PRECISE:
+        @triton.jit
+        def _exp(x):
+            return _libdevice.exp(x)
+
+        @triton.jit
+        def _log(x):
+            return _libdevice.log(x)
+
+        @triton.jit
+        def _rsqrt(x):
+            return _libdevice.rsqrt(x)
+    else:
+        @triton.jit
+        def _exp(x):
+            return tl.exp(x)
+
+        @triton.jit
+        def _log(x):
+            return tl.log(x)
+
+        @triton.jit
+        def _rsqrt(x):
+            return 1.0 / tl.sqrt(x)
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """fp32 -> the nearest DT value (ties to even), still held in fp32: a rounding step of the torch
+        reference. Done on the bits for bf16, so the compiler cannot drop it as a no-op round trip."""
+        if DT == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+        elif DT == tl.float32:
+            return x
+        else:
+            return x.to(DT).to(tl.float32)

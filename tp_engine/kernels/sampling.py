@@ -1,0 +1,75 @@
+"""The sampler's draw and the step's token references, fused: temperature + hashed Gumbel noise + argmax over
+the vocabulary, and the previous step's tokens into the step's input ids."""
+from __future__ import annotations
+
+import torch
+
+from tp_engine.kernels import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from tp_engine.kernels import _log
+
+    @triton.jit
+    def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, vocab,
+                              num_chunks, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        chunk = tl.program_id(1)
+        row = tl.load(rows_ptr + r).to(tl.int64)
+        temp = tl.load(temp_ptr + r)
+        h = tl.load(hash_ptr + r).to(tl.uint32)
+        ids = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = ids < vocab
+        x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0)
+        x = tl.math.div_rn(x, temp)
+        # the 32-bit hash of sampler.uniform_noise; uint32 arithmetic wraps exactly like its `& 0xFFFFFFFF`
+        v = h + ids.to(tl.uint32) * 0x9E3779B1
+        v = ((v >> 16) ^ v) * 0x45D9F3B
+        v = ((v >> 16) ^ v) * 0x45D9F3B
+        v = (v >> 16) ^ v
+        u = ((v >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = x - _log(-_log(u))
+        g = tl.where(mask, g, float("-inf"))
+        best, arg = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(val_ptr + r * num_chunks + chunk, best)
+        tl.store(idx_ptr + r * num_chunks + chunk, (chunk * BLOCK + arg).to(tl.int64))
+
+    @triton.jit
+    def _resolve_tokens_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        ids = tl.load(ids_ptr + offs, mask=m, other=0)
+        ref = ids < 0
+        tok = tl.load(last_ptr + tl.where(ref, -1 - ids, 0), mask=m & ref, other=0)
+        tl.store(ids_ptr + offs, tl.where(ref, tok, ids), mask=m)
+
+
+GUMBEL_BLOCK = 4096
+
+
+def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
+                  row_hash: torch.Tensor) -> torch.Tensor:
+    """argmax over the vocab of logits[rows] / T + Gumbel noise from the sampler's hash; returns [R] int64.
+
+    rows: [R] int64 row indices into logits ([B, vocab] fp32); temperatures: [R] fp32; row_hash: [R] int64,
+    the per-row hash `sampler.uniform_noise` starts from.
+    """
+    vocab = logits.shape[-1]
+    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    r = rows.numel()
+    chunks = triton.cdiv(vocab, GUMBEL_BLOCK)
+    vals = torch.empty((r, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((r, chunks), dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, row_hash, vals, idx, vocab,
+                                       chunks, BLOCK=GUMBEL_BLOCK, num_warps=8)
+    # the first chunk holding the maximum has the lowest ids: the same tie-break as torch.argmax
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def resolve_tokens(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """In place: each id < 0 becomes last[-1 - id] (Engine.resolve), in one kernel."""
+    n = ids.numel()
+    if n:
+        _resolve_tokens_kernel[(1,)](ids, last, n, BLOCK=triton.next_power_of_2(n))
+    return ids
