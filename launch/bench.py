@@ -65,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-requests", type=int, default=32, help="HF throughput: this many requests as one batch")
     p.add_argument("--hf-max-new", type=int, default=128, help="HF throughput: new tokens per request (capped)")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
+    # measuring only; the engine's own switches are config keys (--set advanced.all_reduce=nccl and the like)
+    p.add_argument("--push-chunk", type=int, default=None, metavar="N",
+                   help="values per program and row in the push all-reduce fused with RMSNorm (default 512; "
+                        "0: a whole row per program)")
+    p.add_argument("--no-fast-plan", action="store_true",
+                   help="always the public plan() of the flashinfer CUDA-graph wrappers")
+    p.add_argument("--no-split-kv", action="store_true", help="CUDA-graph decode without flashinfer's KV split")
     p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
     p.add_argument("--out", help="also write the JSON line to this file")
     return p.parse_args(argv)
@@ -468,6 +475,19 @@ def bench_hf(args, cfg: dict, ckpt: str | None, workloads: set[str], res: dict, 
 
 # ---- main ----
 
+def set_measuring_knobs(args) -> dict:
+    """The module constants behind the measuring-only flags, set before the engine is built."""
+    from tp_engine.attention import flashinfer_backend
+    from tp_engine.comm import push_all_reduce
+
+    if args.push_chunk is not None:
+        push_all_reduce.PUSH_NORM_CHUNK = args.push_chunk
+    flashinfer_backend.FAST_PLAN = not args.no_fast_plan
+    flashinfer_backend.SPLIT_KV = not args.no_split_kv
+    return {"push_chunk": push_all_reduce.PUSH_NORM_CHUNK, "fast_plan": flashinfer_backend.FAST_PLAN,
+            "split_kv": flashinfer_backend.SPLIT_KV}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING, format="[%(asctime)s] %(message)s",
@@ -479,7 +499,7 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     res: dict = {"model": Path(args.model).name, "tp": world, "gpu": args.gpu, "workloads": sorted(workloads),
                  "date": time.strftime("%Y-%m-%d"), "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "model_bytes": model_bytes(cfg_json)}
+                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args)}
     options = {"model": args.model, "load_format": "dummy", "seed": args.seed}
     ckpt = None
     engine = None

@@ -74,6 +74,18 @@ def test_two_nodes_on_localhost_equal_tp1(tmp_path):
     assert [x["output_token_ids"] for x in lines] == [s["output_token_ids"] for s in single]
 
 
+def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):
+    """advanced.step_channel: shm sends the step messages through the shared-memory mailbox, on CPU too."""
+    model = make_checkpoint(tmp_path / "m")
+    cfg = {"model": str(model), "prompts": PROMPTS * 3, "sampling": {"max_new_tokens": 8}}
+    proc, gloo = run_cli(cfg, tmp_path, nproc=2, name="gloo")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, shm = run_cli({**cfg, "advanced": {"step_channel": "shm"}}, tmp_path, nproc=2, name="shm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step messages go through gloo" not in proc.stderr  # the mailbox was set up
+    assert [x["output_token_ids"] for x in shm] == [x["output_token_ids"] for x in gloo]
+
+
 def test_progress_lines_and_quiet(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}}

@@ -65,6 +65,9 @@ CONFIG_CASES = {
     "cuda_without_gpu": ({"device": "cuda"}, ["cuda", "no CUDA device"]),
     "flashinfer_on_cpu": ({"attention_backend": "flashinfer"}, ["flashinfer", "cuda"]),
     "max_model_len_past_rope_table": ({"max_model_len": 100000}, ["100000", "max_position_embeddings 512"]),
+    "bad_advanced_choice": ({"advanced": {"all_reduce": "fast"}}, ["advanced.all_reduce", "auto, push, symm, nccl",
+                                                                   "fast"]),
+    "fused_kernels_on_cpu": ({"advanced": {"fused_kernels": "on"}}, ["advanced.fused_kernels", "CUDA only"]),
 }
 
 
@@ -74,6 +77,17 @@ def test_config_errors(ckpt, tmp_path, case):
     t0 = time.time()
     proc, _ = run_cli(base(ckpt, **extra), tmp_path, nproc=2)
     assert_fails_once(proc, *needles, took=time.time() - t0)
+
+
+@pytest.mark.parametrize("key", ["all_reduce", "fused_kernels", "step_channel"])
+def test_advanced_keys_take_only_their_choices(ckpt, key):
+    from tp_engine.config import SCHEMA, ConfigError, build_config
+    with pytest.raises(ConfigError, match=rf"config key 'advanced\.{key}' must be one of auto, .*; got 'fast'"):
+        build_config(model=str(ckpt), advanced={key: "fast"})
+    with pytest.raises(ConfigError, match=rf"config key 'advanced\.{key}' must be a string"):
+        build_config(model=str(ckpt), overrides=[f"advanced.{key}=false"])
+    for choice in SCHEMA[f"advanced.{key}"].choices:
+        assert build_config(model=str(ckpt), advanced={key: choice})["advanced"][key] == choice
 
 
 def test_neither_prompt_source(ckpt, tmp_path):

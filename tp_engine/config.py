@@ -85,6 +85,14 @@ SCHEMA: dict[str, Key] = {
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
     "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_positive),
+    "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA at TP > 1: auto = push, else "
+                               "symm, else nccl; push or symm = that one, else nccl", ("auto", "push", "symm", "nccl")),
+    "advanced.fused_kernels": Key(_STR, "auto", "fused Triton kernels on CUDA: auto = used when Triton imports and their "
+                                  "self-test passes on every rank; on = the same, but a failure stops the start-up; "
+                                  "off = torch ops", ("auto", "on", "off")),
+    "advanced.step_channel": Key(_STR, "auto", "how rank 0 sends each step's message: shm = a shared-memory mailbox "
+                                 "(ranks on one x86 host), gloo = the CPU process group; auto = shm on CUDA where "
+                                 "possible, else gloo", ("auto", "shm", "gloo")),
 }
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from tp_engine import comm
+from tp_engine import comm, kernels
 from tp_engine.attention import make_backend
 from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
@@ -65,14 +65,16 @@ class Engine:
             device = comm.pick_device(cfg["device"])
         except ValueError as e:  # the same on every rank: each exits, rank 0 says why
             raise comm.StartupError(str(e)) from None
-        self.tp = comm.init_distributed(device, cfg["timeout_s"])
+        self.tp = comm.init_distributed(device, cfg["timeout_s"], cfg["advanced"]["step_channel"])
         self.device = device
-        error = None
+        error, ops = None, None
         try:
             self._setup_model()
+            ops = kernels.select(device, cfg["advanced"]["fused_kernels"])
         except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
+        self._use_fused_kernels(ops)
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]
@@ -109,6 +111,14 @@ class Engine:
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.load_seconds = time.perf_counter() - t0
+
+    def _use_fused_kernels(self, ops) -> None:
+        """The fused kernels run on every rank or on none: the push all-reduce needs them on all."""
+        if self.device.type == "cuda" and not comm.all_reduce_min(int(ops is not None), self.tp):
+            if ops is not None:
+                log.warning("fused Triton kernels disabled on rank %d: another rank cannot use them", self.tp.rank)
+            ops = None
+        kernels.use(ops)
 
     def _build_model(self) -> Qwen3ForCausalLM:
         torch.set_default_dtype(self.dtype)

@@ -10,7 +10,6 @@ when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V writ
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -20,6 +19,10 @@ import torch
 from tp_engine.context import Batch
 
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
+# For measuring only (launch/bench.py --no-split-kv, --no-fast-plan): CUDA-graph decode with flashinfer's KV
+# split (and its merge kernel), and planned through the compiled planner directly (see plan_graph_decode)
+SPLIT_KV = True
+FAST_PLAN = True
 
 
 @dataclass
@@ -93,8 +96,7 @@ class FlashInferBackend:
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                             use_tensor_cores=True)
-        # TP_ENGINE_SPLIT_KV=0: CUDA-graph decode without flashinfer's KV split (and its merge kernel)
-        self.split_kv = os.environ.get("TP_ENGINE_SPLIT_KV", "1") != "0"
+        self.split_kv = SPLIT_KV
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
         from tp_engine.kernels import fused_ops
@@ -137,7 +139,7 @@ class FlashInferBackend:
         The first plan goes through `wrapper.plan`; later ones call the compiled planner directly with the
         arguments `plan` would pass it, skipping the wrapper's Python-side checks and copies, which cost more
         than the planning itself at small batch. The direct path is checked against the wrapper's own plan
-        once and not used when the two disagree (or TP_ENGINE_FAST_PLAN=0)."""
+        once and not used when the two disagree (or FAST_PLAN is off)."""
         self.guard.before(wrapper)
         fast = self._fast_plans.get(id(wrapper))
         if fast is not None:
@@ -151,7 +153,7 @@ class FlashInferBackend:
         self.guard.after(wrapper)
 
     def _make_fast_plan(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor):
-        if os.environ.get("TP_ENGINE_FAST_PLAN", "1") == "0":
+        if not FAST_PLAN:
             return None
         try:
             if not (wrapper.is_cuda_graph_enabled and wrapper.use_tensor_cores and wrapper._backend == "fa2"

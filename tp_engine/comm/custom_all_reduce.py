@@ -7,12 +7,15 @@ checked on test sums at start-up; a kind that fails on any rank is not used on a
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from tp_engine.comm.group import TPGroup
+
+log = logging.getLogger("tp_engine")
 
 
 class _SymmAllReduce:
@@ -102,20 +105,19 @@ def _all_ranks(ok: bool, tp: TPGroup) -> bool:
     return bool(t.item())
 
 
-def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 512 << 10) -> str:
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto", max_bytes: int = 512 << 10) -> str:
     """Collective: set up the all-reduce for small messages on `tp` and check it; returns the kind in use.
 
-    TP_ENGINE_ALLREDUCE picks it: `push` (the default; comm/push_all_reduce.py), `symm` (PyTorch's
-    one-shot all-reduce over symmetric memory) or `nccl`. A kind that fails its check on any rank falls
-    back to the next one, down to NCCL. Only messages up to `max_bytes` (decode batches up to 64 at hidden
-    4096) take it; larger ones stay with NCCL."""
-    choice = os.environ.get("TP_ENGINE_ALLREDUCE", "push")
-    if tp.size == 1 or tp.device.type != "cuda" or choice not in ALL_REDUCE_KINDS:
+    `choice` (config key advanced.all_reduce): `push` (comm/push_all_reduce.py; needs the fused kernels on
+    every rank), `symm` (PyTorch's one-shot all-reduce over symmetric memory), `nccl`, or `auto`: push, else
+    symm. A kind that fails its check on any rank falls back to the next one, down to NCCL. Only messages up
+    to `max_bytes` (decode batches up to 64 at hidden 4096) take it; larger ones stay with NCCL."""
+    if tp.size == 1 or tp.device.type != "cuda" or choice == "nccl":
         return "nccl"
     # Both need peer loads and stores only, not NVLink multicast, which on a shared host can take the GPUs
     # of other users down with it.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    kinds = ["push", "symm"] if choice == "push" else ["symm"]
+    kinds = ["push", "symm"] if choice == "auto" else [choice]
     for kind in kinds:
         if kind == "push":  # agree first: the set-up below is collective
             from tp_engine.kernels import fused_ops
@@ -130,4 +132,7 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, max_bytes: int = 512
         if _all_ranks(ok, tp):  # every rank takes the same path
             _FAST_AR[tp.group] = fast
             return kind
+    if choice != "auto" and tp.is_first:
+        log.warning("advanced.all_reduce is %s, but it failed its start-up check on some rank: NCCL does every "
+                    "all-reduce", choice)
     return "nccl"

@@ -6,6 +6,7 @@ groups, so a single-process run needs no torchrun.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tp_engine.comm.shm_channel import ShmChannel
+
+log = logging.getLogger("tp_engine")
 
 
 @dataclass
@@ -51,8 +54,12 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 300.0) -> TPGroup:
-    """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one)."""
+def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto") -> TPGroup:
+    """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one).
+
+    step_channel (config key advanced.step_channel): how `broadcast_ints` carries rank 0's step messages.
+    shm: a shared-memory mailbox when all ranks share one x86 host, else gloo (with a warning); gloo: the
+    CPU group; auto: shm on CUDA where it can be set up, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if device.type == "cuda":
@@ -67,9 +74,15 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> TPGroup:
     group = dist.group.WORLD
     cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     channel = _TP.channel if _TP.size == world else None  # joined before (a tool, then the engine): keep it
+    if channel is not None and step_channel == "gloo":
+        channel.close()
+        channel = None
     set_tp(TPGroup(rank, world, device, group, cpu_group, channel))
-    if device.type == "cuda" and channel is None:
+    if channel is None and (step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")):
         _TP.channel = ShmChannel.create(_TP, timeout_s)
+        if _TP.channel is None and step_channel == "shm" and rank == 0:
+            log.warning("advanced.step_channel is shm, but the ranks do not all share one x86 host (or the "
+                        "shared memory could not be set up): step messages go through gloo")
     return _TP
 
 

@@ -9,8 +9,6 @@ decides when this path is used.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tp_engine.kernels import _warps, triton
@@ -111,7 +109,8 @@ def push_all_reduce(x: torch.Tensor, ptrs: torch.Tensor, state: torch.Tensor, sl
     return out
 
 
-PUSH_NORM_CHUNK = int(os.environ.get("TP_ENGINE_PUSH_CHUNK", "512"))  # values per program and row (0: whole rows)
+# values per program and row of the fused kernel (0: whole rows); launch/bench.py --push-chunk sets it to measure
+PUSH_NORM_CHUNK = 512
 
 
 def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

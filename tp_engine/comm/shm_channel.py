@@ -1,7 +1,6 @@
 """The step message's fast path: rank 0 -> the other ranks of one host through a shared-memory mailbox."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -31,15 +30,13 @@ class ShmChannel:
 
     @classmethod
     def create(cls, tp, timeout_s: float, size: int = 16 << 20) -> "ShmChannel | None":
-        """Collective over `tp.cpu_group`. None when the ranks are not all on this host, not x86, or
-        TP_ENGINE_SHM=0."""
+        """Collective over `tp.cpu_group`. None when the ranks are not all on this host or not on x86."""
         import platform
         import socket
         import uuid
         from multiprocessing import shared_memory
 
-        ok = os.environ.get("TP_ENGINE_SHM", "1") != "0" and platform.machine() in ("x86_64", "AMD64") \
-            and tp.size <= 64
+        ok = platform.machine() in ("x86_64", "AMD64") and tp.size <= 64
         hosts = [None] * tp.size
         dist.all_gather_object(hosts, (socket.gethostname(), ok), group=tp.cpu_group)
         if len({h for h, _ in hosts}) != 1 or not all(o for _, o in hosts):

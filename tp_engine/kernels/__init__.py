@@ -47,7 +47,8 @@ PRECISE = _libdevice is not None
 
 
 def available() -> bool:
-    return triton is not None and os.environ.get("TP_ENGINE_TRITON", "1") != "0"
+    """Whether Triton can be imported."""
+    return triton is not None
 
 
 # ---- the registry ----
