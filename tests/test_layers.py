@@ -119,7 +119,7 @@ def check_lm_head(rank, world):
     batch = Batch(True, z, z, z, [4, 1, 4], [4, 1, 4], [[0], [1], [2]], last)
     with forward_context(batch, None, None):
         logits = head(h)
-    if rank == 0:
+    if rank == 0:  # three rows: the gathered [tp, B, shard] must come back as [B, vocab], in vocab order
         torch.testing.assert_close(logits, h[last] @ w.T, **TOL)
     else:
         assert logits is None

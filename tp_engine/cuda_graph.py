@@ -3,8 +3,8 @@
 A decode batch of B requests runs the graph of the smallest bucket >= B; the graph first takes the
 tokens sampled in the previous step from the device (Engine.resolve); the padded rows read a dummy
 token and write their K/V into the cache's scratch page, so they touch no request's pages. The graph
-holds the whole model step on this rank (embedding, layers with their all-reduces, final norm and the
-LM head matmul, with TP > 1 the all-gather of the vocab shards too), so rank 0 replays and reads logits.
+holds the model's whole forward on this rank (embedding, layers with their all-reduces, final norm, the
+LM head and, with TP > 1, its all-gather of the vocab shards), so rank 0 replays and reads logits.
 
 Each bucket has its own flashinfer decode wrapper (use_cuda_graph=True) whose page-table buffers are
 views of one static buffer shared by all buckets; `run` copies the step's page table into it (one copy),
@@ -23,7 +23,6 @@ from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, page_ids, slot_rows
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import pages_for
-from tp_engine.layers.linear import matmul
 
 log = logging.getLogger("tp_engine")
 
@@ -44,7 +43,6 @@ class GraphRunner:
         t0 = time.perf_counter()
         self.engine, self.model, self.attn, self.kv = engine, engine.model, engine.attn, engine.kv
         self.tp = engine.tp
-        self.vocab = engine.model_cfg.vocab_size
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
@@ -103,22 +101,15 @@ class GraphRunner:
             pool = g.pool()
             self.graphs[bs], self.outputs[bs] = g, out
 
-    def _step(self, bs: int) -> torch.Tensor:
-        """The captured work: one decode step of the model on this rank for the first `bs` static rows."""
+    def _step(self, bs: int) -> torch.Tensor | None:
+        """The captured work: one decode step of the model on this rank for the first `bs` static rows, the
+        model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
+        capturable); fp32 logits [bs, vocab] on rank 0, None on the others."""
         batch = self.batches[bs]
         self.engine.resolve(self.input_ids[:bs])  # the tokens of the previous step, from the device
         slot_rows(self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs])
         with forward_context(batch, self.kv, self.attn):
-            hidden = self.model.model(self.input_ids[:bs])
-            logits = matmul(hidden, self.model.lm_head.weight)  # [bs, vocab shard]
-        if self.tp.size > 1:  # collect the vocab shards inside the graph: no collective launched per step
-            tp = self.tp.size
-            parts = torch.ops._c10d_functional.all_gather_into_tensor(logits.contiguous(), tp, self.tp.group.group_name)
-            parts = torch.ops._c10d_functional.wait_tensor(parts)  # [tp * bs, shard]
-            if not self.tp.is_first:
-                return parts
-            logits = parts.view(tp, bs, -1).permute(1, 0, 2).reshape(bs, -1)
-        return logits[:, : self.vocab].float()
+            return self.model(self.input_ids[:bs])
 
     # ---- per step ----
 

@@ -56,14 +56,22 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor | None:
-    """Concatenate each rank's `x` along the last dim on rank 0; other ranks get None."""
+    """Each rank's `x` ([B, n]: its slice of the columns) joined along the columns on rank 0, in rank order:
+    [B, tp.size * n]. The other ranks get None.
+
+    One all-gather through PyTorch's functional collectives, on CUDA (NCCL) and on CPU (gloo): it runs
+    eagerly and inside a CUDA-graph capture alike, so eager and graph decode share it. The other ranks
+    receive the shards too, and drop them."""
     tp = tp or get_tp()
     if tp.size == 1:
         return x
+    b = x.shape[0]
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
-    dist.gather(x, parts, dst=0, group=tp.group)
-    return torch.cat(parts, dim=-1) if tp.rank == 0 else None
+    parts = torch.ops._c10d_functional.all_gather_into_tensor(x, tp.size, tp.group.group_name)
+    parts = torch.ops._c10d_functional.wait_tensor(parts)  # [tp * B, n]: rank r's x in rows r * B to (r + 1) * B
+    if tp.rank != 0:
+        return None
+    return parts.view(tp.size, b, -1).permute(1, 0, 2).reshape(b, -1)
 
 
 def broadcast(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
