@@ -92,3 +92,25 @@ def test_engine_issues_the_next_step_before_reading_tokens(tmp_path):
     assert len(out[0]["output_token_ids"]) == 4
     # prefill, then 3 decode steps; each step's tokens are read after the next step is issued
     assert events == ["issue", "issue", "take", "issue", "take", "issue", "take", "take"]
+
+
+def test_page_table_holds_exactly_each_requests_pages():
+    """kv_cache.page_table, the one page table all attention backends read: from the step message's
+    concatenated tables when they hold exactly the pages in use, else from per-request tables (which may
+    hold a page more than the tokens need)."""
+    import numpy as np
+
+    from tp_engine.context import Batch
+    from tp_engine.kv_cache import page_table
+
+    seq, tables = [9, 1, 4, 13], [[7, 2, 5], [0], [3], [8, 1, 6, 4]]  # page size 4
+    longer = [t + [99] for t in tables]
+    z = torch.zeros(0, dtype=torch.int64)
+    for tabs in (tables, longer):
+        for flat in (torch.tensor([p for t in tabs for p in t]), None):
+            batch = Batch(False, z, z, z, seq, [1] * 4, tabs, z, page_ids=flat)
+            indptr, ids, last = page_table(batch, 4)
+            assert indptr.dtype == ids.dtype == last.dtype == np.int32
+            assert indptr.tolist() == [0, 3, 4, 5, 9]
+            assert ids.tolist() == [7, 2, 5, 0, 3, 8, 1, 6, 4]
+            assert last.tolist() == [1, 1, 4, 1]

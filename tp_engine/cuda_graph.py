@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from tp_engine import comm
-from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, page_ids, slot_rows
+from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
-from tp_engine.kv_cache import pages_for
+from tp_engine.kv_cache import page_table, pages_for
 
 log = logging.getLogger("tp_engine")
 
@@ -126,6 +126,7 @@ class GraphRunner:
         """Fill the static inputs and plan the bucket's wrapper: `batch` in the first rows, padding after."""
         M, S = self.max_bs, self.kv.page_size
         b = 0 if batch is None else batch.size
+        kv_lens = np.ones(bs, dtype=np.int32)  # padded rows: one token, in the scratch page
         if b:
             ids, pos, loc = batch.input_ids, batch.positions, batch.out_loc
             if ids.is_contiguous() and pos.data_ptr() == ids.data_ptr() + 8 * b \
@@ -135,11 +136,10 @@ class GraphRunner:
                 self.input_ids[:b].copy_(ids)
                 self.positions[:b].copy_(pos)
                 self.out_loc[:b].copy_(loc)
-            seq = np.asarray(batch.seq_lens, dtype=np.int32)
-            npages, pages = page_ids(batch, S, seq)
-        else:
-            seq = npages = np.zeros(0, dtype=np.int32)
-            pages = seq
+            table, pages, last_len = page_table(batch, S)
+            kv_lens[:b] = batch.seq_lens
+        else:  # at capture: every row is padding
+            table, pages, last_len = np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
         pad = bs - b
         if pad:
             self.out_loc[b:bs].fill_(self.pad_loc)  # padded rows write K/V into the scratch page only
@@ -148,11 +148,10 @@ class GraphRunner:
                 self.positions[:bs].zero_()
         h = self.host_meta
         indptr = h[:bs + 1]
-        indptr[0] = 0
-        np.cumsum(npages, out=indptr[1:b + 1])
+        indptr[:b + 1] = table
         indptr[b + 1:] = indptr[b] + np.arange(1, pad + 1, dtype=np.int32)  # one scratch page per padded row
         last = h[M + 1:M + 1 + bs]
-        last[:b] = seq - (npages - 1) * S
+        last[:b] = last_len
         last[b:] = 1
         n = int(indptr[bs])
         ids = h[2 * M + 1:2 * M + 1 + n]
@@ -160,8 +159,6 @@ class GraphRunner:
         ids[len(pages):] = self.kv.scratch_page
         # one host-to-device copy, from pinned memory so that it queues behind the step still running
         self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]).pin_memory(), non_blocking=True)
-        kv_lens = np.ones(bs, dtype=np.int32)
-        kv_lens[:b] = seq
         self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr.copy()), torch.from_numpy(kv_lens),
                                     self.indices_buf[:n])
 

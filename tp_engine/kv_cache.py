@@ -4,6 +4,7 @@ Layout per layer is flashinfer's paged NHD layout: [num_pages, 2 (K, V), page_si
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -53,3 +54,22 @@ class PageAllocator:
 
 def pages_for(tokens: int, page_size: int) -> int:
     return (tokens + page_size - 1) // page_size
+
+
+def page_table(batch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's page table in CSR form, as every attention backend reads it; int32 arrays:
+
+    indptr [B + 1]: request i's pages are ids[indptr[i]:indptr[i + 1]]; ids: the pages that hold each
+    request's `seq_lens[i]` tokens, in order, requests one after the other; last [B]: tokens in each
+    request's last page. `batch` is a context.Batch: `seq_lens`, `page_tables`, and `page_ids`, the tables
+    concatenated as decode_message got them (used as they are when they hold exactly the pages in use)."""
+    seq = np.asarray(batch.seq_lens, dtype=np.int32)
+    npages = (seq + page_size - 1) // page_size
+    flat = batch.page_ids
+    if flat is not None and flat.numel() == int(npages.sum()):
+        ids = flat.numpy().astype(np.int32)
+    else:
+        ids = np.asarray([p for t, n in zip(batch.page_tables, npages.tolist()) for p in t[:n]], dtype=np.int32)
+    indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum(npages, out=indptr[1:])
+    return indptr, ids, seq - (npages - 1) * page_size

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-import numpy as np
 import torch
 
 from tp_engine.context import Batch
+from tp_engine.kv_cache import page_table
 
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
 # For measuring only (launch/bench.py --no-split-kv, --no-fast-plan): CUDA-graph decode with flashinfer's KV
@@ -30,28 +30,6 @@ class StepPlan:
     wrapper: object  # the planned flashinfer wrapper this step runs
     k_rows: torch.Tensor  # [N] int64: row of each new token's K in the layer cache viewed as [rows, kv_heads, d]
     v_rows: torch.Tensor  # [N] int64: the same for V (k_rows + page_size)
-
-
-def page_ids(batch: Batch, page_size: int, seq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(pages each request uses [B], their ids concatenated) as int32 arrays.
-
-    Every table covers its request's tokens, so when the message's concatenated tables are exactly as long
-    as the pages in use, each table is exactly its request's pages and the concatenation can be used as is."""
-    seq = np.asarray(batch.seq_lens, dtype=np.int32) if seq is None else seq
-    npages = (seq + page_size - 1) // page_size
-    flat = getattr(batch, "page_ids", None)
-    if flat is not None and flat.numel() == int(npages.sum()):
-        return npages, flat.numpy().astype(np.int32)
-    ids = [p for t, n in zip(batch.page_tables, npages.tolist()) for p in t[:n]]
-    return npages, np.asarray(ids, dtype=np.int32)
-
-
-def page_metadata(batch: Batch, page_size: int) -> tuple[list[int], torch.Tensor, list[int]]:
-    """flashinfer's CSR page table of a batch: (pages per request, page ids int32, last page lengths)."""
-    seq = np.asarray(batch.seq_lens, dtype=np.int32)
-    npages, ids = page_ids(batch, page_size, seq)
-    last = seq - (npages - 1) * page_size
-    return npages.tolist(), torch.from_numpy(ids), last.tolist()
 
 
 def slot_rows(out_loc: torch.Tensor, page_size: int, k_rows: torch.Tensor | None = None,
@@ -106,9 +84,7 @@ class FlashInferBackend:
     # ---- planning, once per step ----
 
     def prepare(self, batch: Batch) -> None:
-        npages, indices, last = page_metadata(batch, self.page_size)
-        kv_indptr = torch.tensor([0, *accumulate(npages)], dtype=torch.int32)
-        last_len = torch.tensor(last, dtype=torch.int32)
+        kv_indptr, indices, last_len = (torch.from_numpy(a) for a in page_table(batch, self.page_size))
         if batch.is_prefill:
             qo_indptr = torch.tensor([0, *accumulate(batch.extend_lens)], dtype=torch.int32)
             wrapper = self.prefill_wrapper

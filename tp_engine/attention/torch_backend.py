@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_engine.context import Batch
+from tp_engine.kv_cache import page_table
 
 
 class TorchBackend:
@@ -18,11 +19,13 @@ class TorchBackend:
 
     def prepare(self, batch: Batch) -> None:
         """Per request: the (page, slot) of every cached token and the causal mask; shared by all layers."""
+        indptr, ids, _ = page_table(batch, self.page_size)
+        ids = torch.from_numpy(ids).to(self.device, torch.int64)
         reqs = []
         row = 0
-        for n, L, pages in zip(batch.extend_lens, batch.seq_lens, batch.page_tables):
+        for i, (n, L) in enumerate(zip(batch.extend_lens, batch.seq_lens)):
             pos = torch.arange(L, device=self.device)
-            page = torch.tensor(pages, dtype=torch.int64, device=self.device)[pos // self.page_size]
+            page = ids[int(indptr[i]):int(indptr[i + 1])][pos // self.page_size]
             q_pos = torch.arange(L - n, L, device=self.device)
             mask = pos[None, :] <= q_pos[:, None] if n > 1 else None
             reqs.append((row, n, page, pos % self.page_size, mask))
