@@ -79,7 +79,7 @@ class Engine:
 
         page_size = cfg["kv_cache"]["page_size"]
         qkv = self.model.model.layers[0].self_attn.qkv_proj
-        self.kv_heads_local, self.heads_local = qkv.kv_heads, qkv.q_heads
+        self.kv_heads_local = qkv.kv_heads
         self.kv = KVCache(mc.num_layers, self._num_pages(), page_size, qkv.kv_heads, mc.head_dim, self.dtype, device)
         self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,

@@ -141,7 +141,7 @@ class Scheduler:
                 assert not r.pending, "a request is admitted only once its tokens are all known"
                 toks = r.all_ids[r.num_cached:]
             else:
-                toks = [ref_token(r.out_row)] if r.pending else (r.output_ids[-1:] or r.prompt_ids[-1:])
+                toks = [ref_token(r.out_row)] if r.pending else [r.output_ids[-1]]  # decoding: it has an output
             start = r.num_cached
             ids += toks
             positions = range(start, start + len(toks))
@@ -200,7 +200,7 @@ def _page_array(r: Request) -> np.ndarray:
 
 
 def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
-    """The inverse of `Scheduler.encode`, run on every rank; None for STOP."""
+    """The inverse of `Scheduler.issue`, run on every rank; None for STOP."""
     cmd, is_prefill, B, N = msg[:4].tolist()
     if cmd == STOP:
         return None

@@ -100,9 +100,6 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Last-position logits [B, vocab] in fp32 on rank 0; None on the other ranks."""
         logits = self.lm_head(self.model(input_ids))
