@@ -139,7 +139,7 @@ class GraphRunner:
             table, pages, last_len = page_table(batch, S)
             kv_lens[:b] = batch.seq_lens
         else:  # at capture: every row is padding
-            table, pages, last_len = np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+            table, pages, last_len = np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
         pad = bs - b
         if pad:
             self.out_loc[b:bs].fill_(self.pad_loc)  # padded rows write K/V into the scratch page only
