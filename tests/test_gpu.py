@@ -22,7 +22,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 
 DEV = torch.device("cuda", 0) if HAS_CUDA else None
 BF16 = torch.bfloat16
-NEAR_TIE = 0.1  # logits closer than this may order differently under a different summation order in bf16
+# Two logits are a near tie when they differ by less than this share of the larger (at least 0.1): bf16
+# holds 8 bits of mantissa, so logits of 20 are rounded to 1/8, and sums in another order move them as much.
+NEAR_TIE_REL, NEAR_TIE_ABS = 0.02, 0.1
+LEADING_SHARE = 0.9  # of all greedy tokens, at least this many must come before the first difference
 
 
 def needs_flashinfer():
@@ -33,26 +36,42 @@ def needs_flashinfer():
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
-    """A random 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128), bf16 safetensors."""
+    """A random 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128), bf16 safetensors, with peaked logits:
+    weights N(0, 0.06) and an LM head of N(0, 0.3) give logits of std ~7, whose top two are mostly far apart
+    compared with bf16's rounding (median gap ~1.4 in the fp32 reference)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+                      bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3 if name.startswith("lm_head") else 0.06)
     path = tmp_path_factory.mktemp("tiny_qwen3")
-    Qwen3ForCausalLM(cfg).to(BF16).save_pretrained(path)
+    model.to(BF16).save_pretrained(path)
     return str(path)
 
 
 @pytest.fixture(scope="session")
 def hf_model(tiny_ckpt):
+    """transformers on the same checkpoint in bf16: the greedy tokens to match."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=BF16).to(DEV).eval()
 
 
+@pytest.fixture(scope="session")
+def hf_ref(tiny_ckpt):
+    """transformers on the same checkpoint in fp32 (bf16 weights, fp32 arithmetic): the judge of near ties."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
+
+
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77], list(range(2000, 1500, -7))]
+PARITY_PROMPTS = PROMPTS + [[11, 12, 13], list(range(700, 760)), [3, 1900, 45, 45, 45, 6, 812]]
 
 
 def llm(ckpt: str, **options):
@@ -74,16 +93,24 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids], device=DEV)).logits[0].float()
 
 
-def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) -> int:
-    """Tokens equal up to the first difference, which must be a near tie in the reference's logits.
-    Returns how many leading tokens are equal."""
+def check_against(ref, prompt: list[int], ours: list[int], theirs: list[int]) -> int:
+    """Tokens equal up to the first difference, which must be a near tie in the fp32 reference's logits
+    (`ref`, the hf_ref fixture). Returns how many leading tokens are equal."""
     for j, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
-            logits = hf_logits(model, prompt + ours[:j])[-1]
+            logits = hf_logits(ref, prompt + ours[:j])[-1]
             gap = abs(logits[a] - logits[b]).item()
-            assert gap < NEAR_TIE, f"token {j}: {a} vs {b}, logits differ by {gap:.3f} (no near tie)"
+            bound = max(NEAR_TIE_ABS, NEAR_TIE_REL * max(abs(logits[a].item()), abs(logits[b].item())))
+            assert gap < bound, f"token {j}: {a} vs {b}, fp32 logits differ by {gap:.3f} (no near tie: >= {bound:.3f})"
             return j
     return len(ours)
+
+
+def assert_parity(ref, prompts, ours, theirs) -> None:
+    """Every difference at a near tie, and most tokens before the first difference of their prompt."""
+    matched = sum(check_against(ref, p, a, b) for p, a, b in zip(prompts, ours, theirs))
+    total = sum(len(a) for a in ours)
+    assert matched >= LEADING_SHARE * total, f"only {matched} of {total} greedy tokens before the first difference"
 
 
 # ---- attention backend ----
@@ -181,13 +208,12 @@ def test_fused_qkv_path_matches_torch_path():
 
 
 def test_fused_kernels_match_torch():
-    from tp_engine.kernels import fused_ops, gemv
+    from tp_engine.kernels import gemv
     from tp_engine.layers.norm import RMSNorm
     from tp_engine.sampler import SamplingParams, sample
 
-    ops = fused_ops(DEV)
-    if ops is None:
-        pytest.skip("Triton is not available")
+    from tp_engine.kernels import select
+    ops = select(DEV, "on")  # a missing Triton or a failed self-test is a failure here, not a skip
     torch.manual_seed(2)
     norm = RMSNorm(4096, 1e-6).to(DEV, BF16)
     norm.weight.data.normal_(1.0, 0.2)
@@ -226,7 +252,7 @@ def test_fused_kernels_match_torch():
 
 # ---- whole engine ----
 
-def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_model):
+def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref):
     """Batch sizes equal to a captured size run the same kernels on the same shapes: equal token for token.
     Padded batches (5 -> 8, 3 -> 4) run other matmul shapes; they must agree up to near ties."""
     needs_flashinfer()
@@ -245,23 +271,24 @@ def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_model):
     for key in ("greedy4", "greedy1", "sampled4"):
         assert g[key] == e[key], key
     for key, prompts in (("padded5", PROMPTS), ("padded3", PROMPTS[:3])):
-        for p, a, b in zip(prompts, g[key], e[key]):
-            check_against(hf_model, p, a, b)
+        assert_parity(hf_ref, prompts, g[key], e[key])
 
 
-def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model):
+def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model, hf_ref):
+    """bf16 greedy tokens equal transformers' bf16 ones for >= 90% of the leading tokens; where they part,
+    the fp32 reference shows a near tie."""
     needs_flashinfer()
     m = llm(tiny_ckpt)
-    ours = generate(m, PROMPTS, max_new_tokens=8)
+    ours = generate(m, PARITY_PROMPTS, max_new_tokens=12)
     del m
     torch.cuda.empty_cache()
-    matched = 0
-    for prompt, toks in zip(PROMPTS, ours):
+    theirs = []
+    for prompt in PARITY_PROMPTS:
         with torch.inference_mode():
-            ref = hf_model.generate(input_ids=torch.tensor([prompt], device=DEV), max_new_tokens=8, min_new_tokens=8,
-                                    do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        matched += check_against(hf_model, prompt, toks, ref)
-    assert matched >= len(PROMPTS) * 8 // 2
+            out = hf_model.generate(input_ids=torch.tensor([prompt], device=DEV), max_new_tokens=12,
+                                    min_new_tokens=12, do_sample=False, pad_token_id=0)
+        theirs.append(out[0, len(prompt):].tolist())
+    assert_parity(hf_ref, PARITY_PROMPTS, ours, theirs)
 
 
 def test_kv_pool_sized_from_free_memory(tiny_ckpt, caplog):
@@ -308,75 +335,12 @@ def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | Non
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp2_matches_tp1_greedy(tiny_ckpt, hf_model, tmp_path):
+def test_tp2_matches_tp1_greedy(tiny_ckpt, hf_ref, tmp_path):
     needs_flashinfer()
     one = _run_cli(tmp_path, tiny_ckpt, 1, "tp1")
     two = _run_cli(tmp_path, tiny_ckpt, 2, "tp2")
     assert len(one) == len(two) == len(CLI_PROMPTS)
     # TP=2 sums partial products in another order; greedy paths may part only at near ties
-    matched = sum(check_against(hf_model, p, a, b) for p, a, b in zip(CLI_PROMPTS, two, one))
-    assert matched >= len(CLI_PROMPTS) * 10 // 2
+    assert_parity(hf_ref, CLI_PROMPTS, two, one)
     eager = _run_cli(tmp_path, tiny_ckpt, 2, "tp2_eager", {"cuda_graph": False})
     assert eager == two, "TP=2: CUDA-graph decode differs from eager decode"
-
-
-ALL_REDUCE_SCRIPT = """
-import os, sys
-import torch, torch.distributed as dist
-from tp_engine import comm
-from tp_engine.comm.custom_all_reduce import _FAST_AR
-from tp_engine.kernels import fused_ops
-
-dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-tp = comm.init_distributed(dev)
-kind = comm.enable_fast_all_reduce(tp, torch.bfloat16)
-assert kind == "push", kind
-fast, ops = _FAST_AR[tp.group], fused_ops(dev)
-g = torch.Generator(device=dev).manual_seed(tp.rank)
-with torch.inference_mode():
-    for n in [1, 7, 4096, 5000, 65536, 262144] * 3:  # both buffers, sizes up and down
-        x = torch.randn(n, device=dev, generator=g).to(torch.bfloat16)
-        ref = x.clone()
-        dist.all_reduce(ref, group=tp.group)  # NCCL
-        assert torch.equal(fast(x), ref), n
-    for rows in (1, 3, 64):
-        x = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
-        res = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
-        w = torch.rand(4096, device=dev, generator=g).to(torch.bfloat16) + 0.5
-        out, new_res = comm.all_reduce_add_rmsnorm(x, res, w, 1e-6)
-        ref_out, ref_res = ops.add_rmsnorm(fast(x), res, w, 1e-6)
-        assert torch.equal(new_res, ref_res), rows
-        torch.testing.assert_close(out, ref_out)
-    # inside a CUDA graph, replayed with new inputs
-    xs = [torch.zeros(4096, device=dev, dtype=torch.bfloat16) for _ in range(8)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outs = [fast(x) for x in xs]
-    for _ in range(3):
-        for x in xs:
-            x.copy_(torch.randn(4096, device=dev, generator=g))
-        graph.replay()
-        for x, o in zip(xs, outs):
-            ref = x.clone()
-            dist.all_reduce(ref, group=tp.group)
-            assert torch.equal(o, ref)
-torch.cuda.synchronize()
-print("all-reduce ok", tp.rank)
-comm.shutdown()
-"""
-
-
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_push_all_reduce_equals_nccl(tmp_path):
-    """The push all-reduce (and its fused residual add + RMSNorm) against NCCL: exact for two ranks, where
-    both compute round(a + b); eager, across both of its buffers, and replayed in a CUDA graph."""
-    pytest.importorskip("triton")
-    script = tmp_path / "all_reduce_check.py"
-    script.write_text(ALL_REDUCE_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(script)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.stdout.count("all-reduce ok") == 2

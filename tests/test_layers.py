@@ -137,7 +137,17 @@ def _qkv_replicated(rank, world):
     check_qkv(rank, world, kv_heads=2 if world == 4 else 1)
 
 
-CHECKS.update(qkv_split=_qkv_split, qkv_replicated=_qkv_replicated)
+def _set_up_agreement(rank, world):
+    """A set-up step of the fast all-reduce that fails on one rank fails on all (comm/custom_all_reduce.py):
+    a rank that went on alone would wait in a kernel its peers never launch."""
+    from tp_engine.comm.custom_all_reduce import _attempt
+    _, ok = _attempt(lambda: 1 // (rank - 1), comm.get_tp(), "a step that fails on rank 1 only")
+    assert not ok
+    out, ok = _attempt(lambda: rank * 10, comm.get_tp(), "a step that works everywhere")
+    assert ok and out == rank * 10
+
+
+CHECKS.update(qkv_split=_qkv_split, qkv_replicated=_qkv_replicated, set_up_agreement=_set_up_agreement)
 
 
 @pytest.mark.parametrize("world", [2, 4])

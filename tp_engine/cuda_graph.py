@@ -46,7 +46,8 @@ class GraphRunner:
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
-        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.cfg["advanced"]["all_reduce"])
+        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.cfg["advanced"]["all_reduce"],
+                                                     engine.cfg["timeout_s"])
 
         # static inputs, shared by all buckets (a bucket of size b reads the first b rows); one row each for
         # token ids, positions and KV slots, so that one copy fills all three

@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce
+from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce, failure_report
 from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, init_distributed, pick_device,
                                   set_tp, shutdown)
 
 __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "StartupError",
-           "check_startup", "enable_fast_all_reduce", "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
+           "check_startup", "enable_fast_all_reduce", "failure_report",
+           "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
            "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier", "all_reduce_min"]
 
 
@@ -49,7 +50,7 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
     all-reduce is set up and `x` fits it; otherwise None, and the caller does the two steps."""
     tp = tp or get_tp()
     fast = _FAST_AR.get(tp.group) if tp.size > 1 and x.is_cuda else None
-    if isinstance(fast, _PushAllReduce) and fast.fits(x) and x.dim() == 2 and residual.is_contiguous() \
+    if isinstance(fast, _PushAllReduce) and fast.fits_norm(x) and residual.is_contiguous() \
             and weight.dtype == x.dtype == residual.dtype:
         return fast.add_rmsnorm(x, residual, weight, eps)
     return None

@@ -2,8 +2,13 @@
 
 NCCL's latency dominates the small all-reduces of a decode step. Two replacements over PyTorch's
 symmetric memory (NVLink peer loads and stores): the push all-reduce (comm/push_all_reduce.py), optionally
-fused with the residual add and RMSNorm that follow it, and PyTorch's one-shot all-reduce. Each is
-checked on test sums at start-up; a kind that fails on any rank is not used on any.
+fused with the residual add and RMSNorm that follow it, and PyTorch's one-shot all-reduce.
+
+Every rank must take the same path, or one rank waits in a kernel its peers never launch. So each step of
+the set-up that can fail on one rank alone (allocation, the rendezvous, the check on test sums) is followed
+by an agreement over the CPU group, and a kind is used only if it passed on every rank. The check runs
+every one of its calls on every rank whatever the earlier ones gave, and its waits give up after a few
+seconds instead of hanging, so a broken path costs a fallback, never a hang.
 """
 from __future__ import annotations
 
@@ -16,24 +21,44 @@ import torch.distributed as dist
 from tp_engine.comm.group import TPGroup
 
 log = logging.getLogger("tp_engine")
+CHECK_TIMEOUT_S = 10.0  # waits of the start-up check give up after this (in use: config key timeout_s)
+
+
+def _all_ranks(ok: bool, tp: TPGroup) -> bool:
+    """Collective over the CPU group: True when `ok` holds on every rank."""
+    t = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return bool(t.item())
+
+
+def _attempt(fn, tp: TPGroup, what: str):
+    """Run this rank's part of one set-up step; (its result, whether it succeeded on every rank)."""
+    try:
+        out, err = fn(), None
+    except Exception as e:  # no peer access, no symmetric memory, a kernel that does not build
+        out, err = None, e
+        log.debug("rank %d: %s failed: %s", tp.rank, what, e)
+    return out, _all_ranks(err is None, tp)
 
 
 class _SymmAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer (NVLink peer loads), for small messages."""
 
-    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int) -> None:
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int, timeout_s: float) -> None:
+        """This rank's buffer only; `connect` (collective) joins the ranks' buffers."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.name = tp.group.group_name
+        self.symm, self.name = symm_mem, tp.group.group_name
         self.dtype, self.max_bytes = dtype, max_bytes
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        self.buf = symm_mem.empty(max_bytes // _itemsize(dtype), dtype=dtype, device=tp.device)
+
+    def connect(self) -> None:
+        if hasattr(self.symm, "enable_symm_mem_for_group"):
             try:
-                symm_mem.enable_symm_mem_for_group(self.name)
+                self.symm.enable_symm_mem_for_group(self.name)
             except Exception:  # deprecated in newer releases; rendezvous alone suffices there
                 pass
-        self.buf = symm_mem.empty(max_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
-                                  device=tp.device)
-        symm_mem.rendezvous(self.buf, self.name)
+        self.symm.rendezvous(self.buf, self.name)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -45,94 +70,136 @@ class _SymmAllReduce:
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, x, "sum", self.name, out)
         return out
 
+    def in_use(self, timeout_s: float) -> None:
+        """Checked and agreed: from here on the engine's own calls."""
+
+    def failure(self) -> str | None:
+        return None
+
 
 class _PushAllReduce(_SymmAllReduce):
     """All-reduce of small messages by one Triton kernel that pushes each rank's values, tagged with the
     call's number, into every rank's symmetric-memory buffer (comm/push_all_reduce.py)."""
 
-    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int) -> None:
+    def __init__(self, tp: TPGroup, dtype: torch.dtype, max_bytes: int, timeout_s: float) -> None:
         import torch.distributed._symmetric_memory as symm_mem
-        from tp_engine.comm import push_all_reduce
 
-        self.ops, self.rank, self.world = push_all_reduce, tp.rank, tp.size
+        from tp_engine.comm import push_all_reduce as push
+
+        self.push, self.symm, self.tp = push, symm_mem, tp
         self.dtype, self.max_bytes = dtype, max_bytes
-        self.slot = max_bytes // torch.empty((), dtype=dtype).element_size()
-        # two buffers of one slot per rank, 64-bit words; zeroed (tag 0) before any peer can write
+        self.slot = max_bytes // _itemsize(dtype)
+        # two halves of one slot per rank, 64-bit words, zero (a tag no call has) before any peer can write
         self.buf = symm_mem.empty(2 * tp.size * self.slot, dtype=torch.int64, device=tp.device)
         self.buf.zero_()
         torch.cuda.synchronize(tp.device)
-        handle = symm_mem.rendezvous(self.buf, tp.group.group_name)
-        self.ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
-        self.state = torch.tensor([1, 0], dtype=torch.int64, device=tp.device)
-        self.ss = torch.zeros(self.slot // 32 + 64, dtype=torch.int64, device=tp.device)  # see add_rmsnorm
+        self.st = None
+
+    def connect(self) -> None:
+        handle = self.symm.rendezvous(self.buf, self.tp.group.group_name)
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.tp.device)
+        # the start-up check: waits that give up, and say so, instead of stopping the GPU
+        self.st = self.push.PushState.create(ptrs, self.slot, self.tp.rank, self.tp.size, self.tp.device,
+                                             CHECK_TIMEOUT_S, trap=False)
+        self.st.keep = (self.buf, handle)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return super().fits(x) and self.st.programs(x, False) <= self.st.max_programs
+
+    def fits_norm(self, x: torch.Tensor) -> bool:
+        return super().fits(x) and x.dim() == 2 and self.st.programs(x, True) <= self.st.max_programs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.push_all_reduce(x, self.ptrs, self.state, self.slot, self.rank, self.world)
+        return self.push.push_all_reduce(x, self.st)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.push_all_reduce_add_rmsnorm(x, residual, weight, eps, self.ptrs, self.state, self.ss,
-                                                    self.slot, self.rank, self.world)
+        return self.push.push_all_reduce_add_rmsnorm(x, residual, weight, eps, self.st)
+
+    def in_use(self, timeout_s: float) -> None:
+        """From here on a wait that runs out stops the kernel (the rank then fails with `failure()`)."""
+        self.st.trap, self.st.timeout_ns = True, int(timeout_s * 1e9)
+
+    def failure(self) -> str | None:
+        return None if self.st is None else self.st.failure()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 _FAST_AR: dict = {}  # device group -> the small-message all-reduce set up on it (comm.all_reduce reads it)
 ALL_REDUCE_KINDS = {"push": _PushAllReduce, "symm": _SymmAllReduce}
 
 
-def _check_all_reduce(fast, tp: TPGroup, dtype: torch.dtype) -> bool:
-    """Sums of a few sizes, twice over (both buffers of the push kernel), against the exact result."""
+def _check(fast, tp: TPGroup, dtype: torch.dtype) -> bool:
+    """Sums of a few sizes (both halves of the push buffers), and the fused norm, against exact results.
+    Every rank makes every call, whatever the earlier ones gave: the calls are collective."""
+    ok = True
     for n in (4096, 8, 5000, 4096):
         x = (torch.arange(n, device=tp.device) % 7 + tp.rank).to(dtype)
         want = (tp.size * (torch.arange(n, device=tp.device) % 7) + tp.size * (tp.size - 1) // 2).to(dtype)
-        if not torch.equal(fast(x), want):
-            return False
+        ok &= torch.equal(fast(x), want)
     if isinstance(fast, _PushAllReduce):  # the fused residual add + RMSNorm, against the two steps
-        from tp_engine.kernels import fused_ops
-        x = (torch.arange(3 * 256, device=tp.device) % 5 + tp.rank).to(dtype).view(3, 256)
+        from tp_engine.kernels import norm
+        x = (torch.arange(3 * 4096, device=tp.device) % 5 + tp.rank).to(dtype).view(3, 4096)
         res = torch.ones_like(x)
-        w = torch.full((256,), 0.5, device=tp.device, dtype=dtype)
+        w = torch.full((4096,), 0.5, device=tp.device, dtype=dtype)
         out, new_res = fast.add_rmsnorm(x, res, w, 1e-6)
-        ref, ref_res = fused_ops(tp.device).add_rmsnorm(fast(x), res, w, 1e-6)
-        if not (torch.equal(new_res, ref_res) and torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)):
-            return False
-    return True
+        ref, ref_res = norm.add_rmsnorm(fast(x), res, w, 1e-6)
+        ok &= torch.equal(new_res, ref_res) and torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    torch.cuda.synchronize(tp.device)
+    return ok and fast.failure() is None
 
 
-def _all_ranks(ok: bool, tp: TPGroup) -> bool:
-    """Collective over the CPU group: True when `ok` holds on every rank."""
-    t = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
-    return bool(t.item())
-
-
-def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto", max_bytes: int = 512 << 10) -> str:
-    """Collective: set up the all-reduce for small messages on `tp` and check it; returns the kind in use.
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto", timeout_s: float = 300.0,
+                           max_bytes: int = 512 << 10) -> str:
+    """Collective: set up the all-reduce for small messages on `tp`; returns the kind every rank uses.
 
     `choice` (config key advanced.all_reduce): `push` (comm/push_all_reduce.py; needs the fused kernels on
     every rank), `symm` (PyTorch's one-shot all-reduce over symmetric memory), `nccl`, or `auto`: push, else
-    symm. A kind that fails its check on any rank falls back to the next one, down to NCCL. Only messages up
-    to `max_bytes` (decode batches up to 64 at hidden 4096) take it; larger ones stay with NCCL."""
+    symm, at TP=2, and NCCL above (the push all-reduce is written for any number of ranks and its protocol
+    is tested for up to 8 on one GPU, but on hardware only two GPUs were available to prove it). A kind that
+    fails on any rank falls back to the next, down to NCCL. Only messages up to `max_bytes` (decode batches
+    up to 64 at hidden 4096) take it; larger ones stay with NCCL."""
     if tp.size == 1 or tp.device.type != "cuda" or choice == "nccl":
+        return "nccl"
+    if choice == "auto" and tp.size > 2:
+        if tp.is_first:
+            log.info("all-reduce: NCCL at TP=%d (the push all-reduce is proven on 2 GPUs; "
+                     "advanced.all_reduce: push takes it anyway)", tp.size)
         return "nccl"
     # Both need peer loads and stores only, not NVLink multicast, which on a shared host can take the GPUs
     # of other users down with it.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    kinds = ["push", "symm"] if choice == "auto" else [choice]
+    kinds = ["push", "symm"] if choice in ("auto", "push") else [choice]
     for kind in kinds:
-        if kind == "push":  # agree first: the set-up below is collective
+        if kind == "push":
             from tp_engine.kernels import fused_ops
             if not _all_ranks(fused_ops(tp.device) is not None, tp):
                 continue
-        ok, fast = 1, None
-        try:
-            fast = ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes)
-            ok = int(_check_all_reduce(fast, tp, dtype))
-        except Exception:  # no peer access, no symmetric memory
-            ok = 0
-        if _all_ranks(ok, tp):  # every rank takes the same path
+        fast, ok = _attempt(lambda: ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes, timeout_s), tp, f"{kind} buffers")
+        if ok:
+            _, ok = _attempt(fast.connect, tp, f"{kind} rendezvous")
+        if ok:
+            passed, ok = _attempt(lambda: _check(fast, tp, dtype), tp, f"{kind} check")
+            ok = _all_ranks(ok and bool(passed), tp)
+        if ok:
+            fast.in_use(timeout_s)
             _FAST_AR[tp.group] = fast
             return kind
-    if choice != "auto" and tp.is_first:
-        log.warning("advanced.all_reduce is %s, but it failed its start-up check on some rank: NCCL does every "
-                    "all-reduce", choice)
+        if tp.is_first:
+            log.warning("all-reduce: %s failed its start-up check on some rank%s", kind,
+                        "" if kind == kinds[-1] else f"; trying {kinds[kinds.index(kind) + 1]}")
+    if tp.is_first:
+        log.warning("all-reduce: NCCL for every message (advanced.all_reduce is %s)", choice)
     return "nccl"
+
+
+def failure_report() -> str | None:
+    """Why a fast all-reduce stopped this rank, if one did (its kernels leave a record in host memory)."""
+    for fast in _FAST_AR.values():
+        msg = fast.failure()
+        if msg:
+            return msg
+    return None
