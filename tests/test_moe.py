@@ -95,7 +95,8 @@ def moe_config(**changes) -> dict:
 
 def test_public_shapes_and_transformers_5_names():
     cfg = ModelConfig.from_dict(moe_config())
-    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size, cfg.moe.norm_topk_prob) == (128, 8, 768, True)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (128, 8, 768, True)
     assert all(cfg.moe.is_sparse(i) for i in range(cfg.num_layers))
     for tp in (1, 2, 4, 8):  # 4 KV heads: replicated at TP 8
         cfg.check_tp(tp)
@@ -177,7 +178,8 @@ def test_stacked_experts_hold_the_checkpoint_tensors(ckpts):
     for f in path.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
     pre = "model.layers.0.mlp.experts.5."
-    assert torch.equal(experts.gate_up_proj[5], torch.cat([tensors[pre + "gate_proj.weight"], tensors[pre + "up_proj.weight"]]))
+    gate_up = torch.cat([tensors[pre + "gate_proj.weight"], tensors[pre + "up_proj.weight"]])
+    assert torch.equal(experts.gate_up_proj[5], gate_up)
     assert torch.equal(experts.down_proj[5], tensors[pre + "down_proj.weight"])
     assert torch.equal(model.model.layers[0].mlp.gate.weight, tensors["model.layers.0.mlp.gate.weight"])
     assert "model.layers.1.mlp.gate_proj.weight" in checkpoint_map(model)  # layer 1 is dense (mlp_only_layers)
