@@ -3,10 +3,12 @@
     python launch/bench.py --model configs/models/qwen3-0.6b --workload latency
     torchrun --nproc_per_node=2 launch/bench.py --model configs/models/qwen3-8b --workload all \\
         --write-checkpoint /tmp/qwen3-8b-random
+    python launch/bench.py --model configs/models/qwen3-30b-a3b --workload latency
 
 Workloads (comma-separated, or `all`):
   latency     batch 1, 128 prompt tokens, 256 new tokens, greedy, ignore_eos: decode tok/s, ms/step and
-              the weight bandwidth achieved (bytes of weights per rank / step time)
+              the weight bandwidth achieved (bytes of weights per rank / step time; for Qwen3-MoE the bytes
+              one token reads, `active_weight_bytes`: its k experts, not all of them)
   throughput  256 requests, prompt and output lengths uniform in [100, 1024], temperature 0.6, ignore_eos,
               fixed seed: output tok/s over the whole run (after a warm-up), TTFT and TPOT percentiles
   load        with --write-checkpoint: seconds to build the engine from the safetensors on disk
@@ -38,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from tp_engine import config as C  # noqa: E402
 from tp_engine import comm  # noqa: E402
 from tp_engine.engine import Engine  # noqa: E402
+from tp_engine.model_config import ModelConfig  # noqa: E402
 from tp_engine.sampler import SamplingParams  # noqa: E402
 from tp_engine.scheduler import Request  # noqa: E402
 
@@ -109,24 +112,52 @@ def prod(shape) -> int:
     return out
 
 
+def mlp_tensors(pre: str, h: int, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(pre + "gate_proj.weight", (i, h)), (pre + "up_proj.weight", (i, h)), (pre + "down_proj.weight", (h, i))]
+
+
 def checkpoint_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of a Qwen3 checkpoint in HF naming."""
+    """Names and shapes of a Qwen3 (or Qwen3-MoE: router and per-expert tensors) checkpoint in HF naming."""
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // q
+    moe = ModelConfig.from_dict(cfg).moe
     out = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
     for n in range(L):
         pre = f"model.layers.{n}."
         out += [(pre + "input_layernorm.weight", (h,)), (pre + "post_attention_layernorm.weight", (h,)),
                 (pre + "self_attn.q_proj.weight", (q * d, h)), (pre + "self_attn.k_proj.weight", (kv * d, h)),
                 (pre + "self_attn.v_proj.weight", (kv * d, h)), (pre + "self_attn.o_proj.weight", (h, q * d)),
-                (pre + "self_attn.q_norm.weight", (d,)), (pre + "self_attn.k_norm.weight", (d,)),
-                (pre + "mlp.gate_proj.weight", (i, h)), (pre + "mlp.up_proj.weight", (i, h)),
-                (pre + "mlp.down_proj.weight", (h, i))]
+                (pre + "self_attn.q_norm.weight", (d,)), (pre + "self_attn.k_norm.weight", (d,))]
+        if moe is not None and moe.is_sparse(n):
+            out.append((pre + "mlp.gate.weight", (moe.num_experts, h)))
+            for e in range(moe.num_experts):
+                out += mlp_tensors(f"{pre}mlp.experts.{e}.", h, moe.intermediate_size)
+        else:
+            out += mlp_tensors(pre + "mlp.", h, i)
     out.append(("model.norm.weight", (h,)))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (cfg["vocab_size"], h)))
     return out
+
+
+def active_weight_bytes(cfg: dict, tp: int, bytes_per_param: int = 2) -> int:
+    """Bytes of weights one rank reads to decode one token (batch 1): attention, norms, each dense MLP, the
+    router and k experts of each sparse layer, one embedding row and the LM head, each at its per-rank share
+    (KV projections replicated when TP exceeds the KV heads, the router whole)."""
+    mc = ModelConfig.from_dict(cfg)
+    h, d = mc.hidden_size, mc.head_dim
+    kv_local = max(1, mc.num_kv_heads // tp)
+    attn = (2 * mc.num_heads // tp + 2 * kv_local) * d * h + 2 * d + 2 * h  # q, o; k, v; q/k norms; 2 norms
+    n = 0
+    for layer in range(mc.num_layers):
+        if mc.moe is not None and mc.moe.is_sparse(layer):
+            n += attn + mc.moe.num_experts * h + mc.moe.top_k * 3 * h * mc.moe.intermediate_size // tp
+        else:
+            n += attn + 3 * h * mc.intermediate_size // tp
+    step = 64 * tp  # the vocabulary padding of layers/embedding.py
+    vocab_shard = (mc.vocab_size + step - 1) // step * step // tp
+    return (n + h + h + vocab_shard * h) * bytes_per_param  # an embedding row, the final norm, the LM head
 
 
 def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
@@ -231,9 +262,13 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
     if engine.tp.is_first:
         step = (times[-1] - times[0]) / (len(times) - 1)
         wb = engine.weight_bytes()
+        if engine.model_cfg.moe is not None:  # a token reads only its experts: the floor counts what is read
+            cfg = json.loads((Path(engine.cfg["model"]) / "config.json").read_text())
+            wb = active_weight_bytes(cfg, engine.tp.size, engine.dtype.itemsize)
         res["latency"] = {
             "decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3),
-            "weight_bytes_per_rank": wb, "bandwidth_tb_s": round(wb / step / 1e12, 3),
+            ("active_weight_bytes_per_rank" if engine.model_cfg.moe is not None else "weight_bytes_per_rank"): wb,
+            "bandwidth_tb_s": round(wb / step / 1e12, 3),
             "floor_ms_per_step": round(wb / HBM_BYTES_PER_S * 1e3, 3),
             "floor_tok_s": round(HBM_BYTES_PER_S / wb, 1),
             "fraction_of_floor": round(wb / HBM_BYTES_PER_S / step, 3),
@@ -406,7 +441,7 @@ def bench_throughput(engine: Engine, args, res: dict) -> None:
 # ---- HF transformers on the same workloads ----
 
 def hf_model(model_dir: str, ckpt: str | None, tp: int):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if tp > 1:
@@ -416,11 +451,11 @@ def hf_model(model_dir: str, ckpt: str | None, tp: int):
     elif ckpt:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map={"": dev})
     else:
-        cfg = Qwen3Config.from_pretrained(model_dir)
+        cfg = AutoConfig.from_pretrained(model_dir)
         torch.set_default_dtype(torch.bfloat16)
         try:
             with torch.device(dev):
-                model = Qwen3ForCausalLM(cfg)
+                model = (Qwen3MoeForCausalLM if cfg.model_type == "qwen3_moe" else Qwen3ForCausalLM)(cfg)
         finally:
             torch.set_default_dtype(torch.float32)
     return model.eval(), dev

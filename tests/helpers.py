@@ -45,6 +45,31 @@ def make_checkpoint(path: Path, *, vocab: int = 512, hidden: int = 64, inter: in
     return path
 
 
+def make_moe_checkpoint(path: Path, *, vocab: int = 509, hidden: int = 64, inter: int = 96, moe_inter: int = 32,
+                        layers: int = 3, heads: int = 4, kv_heads: int = 1, head_dim: int = 16, experts: int = 8,
+                        top_k: int = 2, norm_topk_prob: bool = True, sparse_step: int = 1,
+                        mlp_only_layers: tuple[int, ...] = (), tie: bool = False, shard: bool = True, seed: int = 0,
+                        std: float = 0.08, dtype: torch.dtype = torch.float32) -> Path:
+    """A random Qwen3-MoE checkpoint saved by transformers (per-expert tensor names; sharded with an index, as
+    published checkpoints are)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=moe_inter,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=norm_topk_prob, decoder_sparse_step=sparse_step,
+                         mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=tie, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # peaked logits and routing: ties are rare
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+    model.to(dtype).save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
+    return path
+
+
 def hf_generate(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations from transformers' own Qwen3 (fp32), one prompt at a time, EOS included."""
     from transformers import Qwen3ForCausalLM

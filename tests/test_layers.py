@@ -125,8 +125,45 @@ def check_lm_head(rank, world):
         assert logits is None
 
 
+def check_moe(rank, world):
+    """Experts split by their inner dimension, router replicated: the all-reduced partial sums equal the
+    unsharded experts, and the experts themselves run no collective (the next norm all-reduces)."""
+    from tp_engine.layers import FusedMoE, TopKRouter
+    from tp_engine.layers.moe import experts_reference
+    from tp_engine.loader import default_loader
+    E, H, inter, k = 6, 16, 24, 2
+    gate, up, down = (torch.randn(E, inter, H) * 0.3, torch.randn(E, inter, H) * 0.3,
+                      torch.randn(E, H, inter) * 0.3)  # outputs of order 1, as the other checks
+    router_w, x = torch.randn(E, H), torch.randn(7, H)
+    router = TopKRouter(H, E, k, renormalize=True)
+    default_loader(router.weight, TensorSource(router_w))
+    experts = FusedMoE(E, H, inter)
+    for e in range(E):
+        load(experts.gate_up_proj, gate[e], (e, "gate"))
+        load(experts.gate_up_proj, up[e], (e, "up"))
+        load(experts.down_proj, down[e], (e, "down"))
+    weights, ids = router(x)
+    picks = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(picks, ids)
+    assert all(torch.equal(p, ids) for p in picks), "ranks routed differently"
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: calls.append(1) or all_reduce(*a, **kw)
+    try:
+        partial = experts(x, weights, ids)
+    finally:
+        dist.all_reduce = all_reduce
+    assert not calls
+    n = inter // world
+    mine = slice(rank * n, (rank + 1) * n)
+    torch.testing.assert_close(
+        partial, experts_reference(x, torch.cat([gate[:, mine], up[:, mine]], 1), down[:, :, mine], weights, ids), **TOL)
+    full = experts_reference(x, torch.cat([gate, up], 1), down, weights, ids)
+    torch.testing.assert_close(comm.all_reduce(partial), full, **TOL)
+
+
 CHECKS = {"column": check_column, "merged": check_merged, "row": check_row, "embedding": check_embedding,
-          "lm_head": check_lm_head}
+          "lm_head": check_lm_head, "moe": check_moe}
 
 
 def _qkv_split(rank, world):

@@ -22,6 +22,7 @@ from tp_engine.kv_cache import KVCache, pages_for
 from tp_engine.kernels import fused_ops
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
+from tp_engine.models import build_model
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.sampler import sample
 from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message
@@ -124,7 +125,7 @@ class Engine:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = Qwen3ForCausalLM(self.model_cfg)
+                model = build_model(self.model_cfg)
         finally:
             torch.set_default_dtype(torch.float32)
         if self.cfg["load_format"] == "dummy":

@@ -63,30 +63,33 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     return files
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, object] | None:
-    """Checkpoint tensor name -> (our parameter name, shard id)."""
+def checkpoint_map(model: nn.Module) -> dict[str, tuple[str, object]]:
+    """Every tensor the checkpoint must hold -> (the parameter it loads into, the shard id its loader gets).
+
+    A parameter is one tensor of its own name, except a parameter that lists the tensors it holds
+    (`checkpoint_parts`: names relative to its module, e.g. the stacked experts' "17.gate_proj.weight" with
+    shard (17, "gate")), and a fused module named in the model's `packed_modules` ("q_proj" -> part "q" of
+    "qkv_proj": model.layers.0.self_attn.q_proj.weight -> model.layers.0.self_attn.qkv_proj.weight)."""
+    parts_of: dict[str, list] = {}
     for ckpt, (ours, shard) in getattr(model, "packed_modules", {}).items():
-        if f".{ckpt}." in name:
-            return name.replace(f".{ckpt}.", f".{ours}."), shard
-    return name, None
-
-
-def expected_names(model: nn.Module) -> set[str]:
-    names = set()
-    packed = getattr(model, "packed_modules", {})
-    for pname, _ in model.named_parameters():
-        parts = [c for c, (ours, _) in packed.items() if f".{ours}." in pname]
-        if parts:
-            ours = packed[parts[0]][0]
-            names.update(pname.replace(f".{ours}.", f".{c}.") for c in parts)
+        parts_of.setdefault(ours, []).append((ckpt, shard))
+    out = {}
+    for pname, param in model.named_parameters():
+        module, _, leaf = pname.rpartition(".")
+        parent, _, mod = module.rpartition(".")
+        if hasattr(param, "checkpoint_parts"):
+            names = [(f"{module}.{rel}", shard) for rel, shard in param.checkpoint_parts]
+        elif mod in parts_of:
+            names = [(f"{parent}.{ckpt}.{leaf}", shard) for ckpt, shard in parts_of[mod]]
         else:
-            names.add(pname)
-    return names
+            names = [(pname, None)]
+        out.update((name, (pname, shard)) for name, shard in names)
+    return out
 
 
 def load_checkpoint(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
-    expected = expected_names(model)
+    targets = checkpoint_map(model)
     tied = getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings
     seen: set[str] = set()
     for file in checkpoint_files(model_dir):
@@ -95,9 +98,9 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                 for name in handle.keys():
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue  # derived or duplicated tensors some checkpoints carry
-                    if name not in expected:
+                    if name not in targets:
                         raise CheckpointError(f"unexpected tensor '{name}' in {file.name}")
-                    pname, shard = _target(model, name)
+                    pname, shard = targets[name]
                     param = params[pname]
                     loader = getattr(param, "weight_loader", default_loader)
                     try:
@@ -109,7 +112,7 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
             raise
         except Exception as e:  # safetensors reports truncation and corruption with its own error types
             raise CheckpointError(f"cannot read checkpoint file {file}: {e}") from None
-    missing = sorted(expected - seen)
+    missing = sorted(targets.keys() - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")

@@ -1,5 +1,6 @@
-"""The checkpoint's config.json (and generation_config.json): the Qwen3 fields the engine reads, and checks
-that the model is one this engine runs and that it splits across the TP size."""
+"""The checkpoint's config.json (and generation_config.json): the Qwen3 fields the engine reads (the dense
+model's, and the experts' of Qwen3-MoE), and checks that the model is one this engine runs and that it splits
+across the TP size."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ from pathlib import Path
 
 class ModelError(ValueError):
     """A problem with the checkpoint's config.json or its fit to the TP size."""
+
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class name
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    moe: MoeConfig | None = None  # Qwen3-MoE (model_type qwen3_moe): the experts; None for the dense model
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -44,9 +49,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
         arch = raw.get("architectures") or []
-        if raw.get("model_type") not in (None, "qwen3") or (arch and arch[0] != "Qwen3ForCausalLM"):
+        kind = raw.get("model_type") or {v: k for k, v in ARCHITECTURES.items()}.get(arch[0] if arch else None, "qwen3")
+        if kind not in ARCHITECTURES or (arch and arch[0] != ARCHITECTURES[kind]):
             raise ModelError(f"{where}: unsupported architecture {arch or raw.get('model_type')!r}; "
-                             "this engine runs Qwen3ForCausalLM (model_type qwen3)")
+                             "this engine runs Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM "
+                             "(model_type qwen3_moe)")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in raw]
         if missing:
@@ -81,6 +88,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=tuple(dict.fromkeys(eos_ids + extra_eos)),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            moe=MoeConfig.from_dict(raw, where) if kind == "qwen3_moe" else None,
         )
 
     def check_tp(self, tp: int) -> None:
@@ -92,9 +100,12 @@ class ModelConfig:
         if kv % tp and tp % kv:
             raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
                              f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
-        if self.intermediate_size % tp:
+        dense_layers = self.moe is None or any(not self.moe.is_sparse(i) for i in range(self.num_layers))
+        if dense_layers and self.intermediate_size % tp:
             raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across tensor-parallel "
                              f"size {tp}: it must divide evenly")
+        if self.moe is not None:
+            self.moe.check_tp(tp)
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:
@@ -106,3 +117,43 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
     except json.JSONDecodeError as e:
         raise ModelError(f"{path} is not valid JSON: {e}") from None
     return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of Qwen3-MoE, under transformers' config.json names."""
+
+    num_experts: int  # num_experts (transformers 5.x writes num_local_experts)
+    top_k: int  # num_experts_per_tok: experts each token runs
+    intermediate_size: int  # moe_intermediate_size: the inner width of each expert
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int  # every this-many-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...]  # ... except these, which keep a dense MLP of intermediate_size
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> "MoeConfig":
+        experts = raw.get("num_experts", raw.get("num_local_experts"))
+        missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                                  ("moe_intermediate_size", raw.get("moe_intermediate_size"))) if v is None]
+        if missing:
+            raise ModelError(f"{where} is missing required field(s): {', '.join(missing)}")
+        moe = cls(num_experts=experts, top_k=raw["num_experts_per_tok"],
+                  intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                  decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+                  mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+        if experts and not 1 <= moe.top_k <= experts:
+            raise ModelError(f"{where}: num_experts_per_tok={moe.top_k} must be between 1 and num_experts={experts}")
+        if moe.decoder_sparse_step < 1:
+            raise ModelError(f"{where}: decoder_sparse_step={moe.decoder_sparse_step} must be >= 1")
+        return moe
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` routes to experts (the rule of transformers' Qwen3MoeDecoderLayer)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    def check_tp(self, tp: int) -> None:
+        # every rank holds a slice of every expert's inner dimension (docs/tensor-parallelism.md)
+        if self.intermediate_size % tp:
+            raise ModelError(f"cannot split moe_intermediate_size={self.intermediate_size} across tensor-parallel "
+                             f"size {tp}: it must divide evenly")

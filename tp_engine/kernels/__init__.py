@@ -10,6 +10,8 @@ where torch would), so swapping one for the other changes results only through t
   measures faster than cuBLAS (the choice is made once per shape, by timing both).
 - kernels/sampling.py: `gumbel_argmax` (the sampler's temperature + hashed Gumbel noise + argmax, reading
   the logits once) and `resolve_tokens` (the previous step's sampled tokens into the step's input ids).
+- kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
+  `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
 
 The push all-reduce (comm/push_all_reduce.py) is built on the helpers here too. This module holds the
 registry the model asks for them (`fused_ops`), their start-up check (`self_test`) and the Triton helpers
@@ -57,16 +59,18 @@ _CHOSEN: dict[str, object] = {}  # "ops": what fused_ops returns on CUDA, once d
 
 
 def _ops() -> SimpleNamespace:
-    from . import gemv, norm, sampling  # the kernel modules import the helpers below from this one
+    from . import gemv, moe, norm, sampling  # the kernel modules import the helpers below from this one
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, linear=gemv.linear, gumbel_argmax=sampling.gumbel_argmax,
-                           resolve_tokens=sampling.resolve_tokens)
+                           resolve_tokens=sampling.resolve_tokens, moe_topk_softmax=moe.topk_softmax,
+                           fused_moe=moe.fused_moe)
 
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax and resolve_tokens.
+    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax, resolve_tokens, moe_topk_softmax and
+    fused_moe.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
     (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never

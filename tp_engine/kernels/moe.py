@@ -1,0 +1,161 @@
+"""Mixture-of-experts on the GPU: the router's top-k, and the experts' SwiGLU MLPs over each token's k experts.
+
+`fused_moe` computes, for each token t, sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) with
+expert_e(x) = down_e(silu(gate_e x) * up_e x), without a host synchronisation (all buffer sizes follow from
+the shapes), so a CUDA graph can hold it. Two paths, chosen by the number of tokens:
+
+- few tokens (batch-1 decode): GEMV kernels that read only the k chosen experts' weights, one program per
+  (token slot, block of output rows); gate and up share a program and end in silu(gate) * up; the down
+  projection loops over the token's k slots, so the weighted combine happens in registers.
+- more tokens: the token slots are sorted by expert (kernels/moe_grouped.py) and grouped GEMMs run over
+  blocks of slots that all belong to one expert.
+
+Both round where the torch reference (layers/moe.py, `experts_reference`) rounds to the model dtype: the
+gate and up products, silu, the product, the down product and its weighting. The sums inside each product run
+in another order, and the k weighted outputs are added in fp32 and rounded once (the reference adds them one
+expert at a time in the model dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+from tp_engine.kernels import triton
+
+GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs above (to be tuned on the GPU)
+
+if triton is not None:
+    import triton.language as tl
+
+    from tp_engine.kernels import _exp, _round
+
+    @triton.jit
+    def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, K: tl.constexpr, K_P2: tl.constexpr,
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        logits = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf"))
+        x = logits.to(tl.float32)
+        p = _exp(x - tl.max(x, axis=0))
+        p = tl.math.div_rn(p, tl.sum(p, axis=0))  # softmax over all experts in fp32, as transformers
+        j = tl.arange(0, K_P2)
+        vals = tl.zeros([K_P2], dtype=tl.float32)
+        ids = tl.zeros([K_P2], dtype=tl.int32)
+        for i in tl.static_range(K):  # the k largest, largest first; the lower id wins a tie
+            v, arg = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            vals = tl.where(j == i, v, vals)
+            ids = tl.where(j == i, arg, ids)
+            p = tl.where(e == arg, -1.0, p)
+        if RENORM:
+            vals = tl.math.div_rn(vals, tl.sum(vals, axis=0))
+        tl.store(w_ptr + t * K + j, vals.to(logits.dtype), mask=j < K)
+        tl.store(ids_ptr + t * K + j, ids, mask=j < K)
+
+    @triton.jit
+    def _silu_mul(g, u, DT: tl.constexpr):
+        """silu(g) * u from fp32 sums, rounding where torch does: g, u, silu(g) and the product."""
+        g = _round(g, DT)
+        s = _round(tl.math.div_rn(g, 1.0 + _exp(-g)), DT)
+        return _round(s * _round(u, DT), DT)
+
+    @triton.jit
+    def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride,
+                             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        s = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        e = tl.load(ids_ptr + s).to(tl.int64)
+        x_row = x_ptr + (s // TOP_K).to(tl.int64) * x_stride
+        gate = w_ptr + e * w_se + n[:, None].to(tl.int64) * w_sn  # rows n of expert e's gate, then of its up
+        up = gate + I * w_sn
+        acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < K
+            xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            m = nmask[:, None] & kmask[None, :]
+            acc_g += tl.load(gate + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(up + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+        DT: tl.constexpr = act_ptr.dtype.element_ty
+        out = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), DT)
+        tl.store(act_ptr + s.to(tl.int64) * act_stride + n, out.to(DT), mask=nmask)
+
+    @triton.jit
+    def _gemv_down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, I, H, act_stride, w_se, w_sn, out_stride,
+                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        DT: tl.constexpr = out_ptr.dtype.element_ty
+        total = tl.zeros([BN], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # this token's k experts, combined here: no second pass
+            s = t * TOP_K + j
+            e = tl.load(ids_ptr + s).to(tl.int64)
+            rows = w_ptr + e * w_se + n[:, None].to(tl.int64) * w_sn
+            acc = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                k = k0 + tl.arange(0, BK)
+                kmask = k < I
+                a = tl.load(act_ptr + s * act_stride + k, mask=kmask, other=0.0).to(tl.float32)
+                acc += tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) \
+                    * a[None, :]
+            y = _round(tl.sum(acc, axis=1), DT)
+            total += _round(y * tl.load(wts_ptr + s).to(tl.float32), DT)
+        tl.store(out_ptr + t * out_stride + n, _round(total, DT).to(DT), mask=nmask)
+
+
+def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int32), largest first:
+    softmax over the experts in fp32, the top k, divided by their sum when `renormalize`."""
+    n, e = logits.shape
+    weights = torch.empty((n, k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((n, k), dtype=torch.int32, device=logits.device)
+    if n:
+        block = triton.next_power_of_2(e)
+        _topk_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
+                                   RENORM=renormalize, BLOCK_E=block, num_warps=max(1, min(4, block // 128)))
+    return weights, ids
+
+
+def _tile(rows: int, cols: int, programs_per_row: int, want: int = 264) -> tuple[int, int]:
+    """GEMV tile (output rows per program, reduction step): as few rows as keep about `want` programs (two per
+    H100/H200 SM) busy, and rows x step <= 2048, which holds the fp32 partial sums in registers without spills
+    at 4 warps (checked by compiling for sm_90, tests/test_moe_kernels.py)."""
+    bn = 32
+    while bn > 4 and programs_per_row * triton.cdiv(rows, bn) < want:
+        bn //= 2
+    return bn, min(triton.next_power_of_2(cols), 2048 // bn)
+
+
+def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+             ids: torch.Tensor) -> torch.Tensor:
+    """The few-token path of `fused_moe`: reads only the chosen experts' weights."""
+    n, k = ids.shape
+    _, two_i, h = gate_up.shape
+    i = two_i // 2
+    ids = ids.contiguous()
+    act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
+    bn, bk = _tile(i, h, n * k)
+    _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
+        x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=k, BN=bn, BK=bk, num_warps=4)
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    bn, bk = _tile(h, i, n)
+    _gemv_down_kernel[(n, triton.cdiv(h, bn))](
+        act, down, ids, weights.contiguous(), out, i, h, act.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), TOP_K=k, BN=bn, BK=bk, num_warps=4)
+    return out
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """x [N, H]; gate_up [E, 2I, H] (each expert's [gate | up] rows), down [E, H, I]; weights and ids [N, k]
+    from `topk_softmax`. Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) as [N, H] in x's dtype."""
+    from tp_engine.kernels import moe_grouped
+
+    assert x.stride(-1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
+    if ids.shape[0] == 0:
+        return torch.zeros_like(x)
+    if ids.shape[0] <= GEMV_MAX_TOKENS:
+        return moe_gemv(x, gate_up, down, weights, ids)
+    return moe_grouped.moe_grouped(x, gate_up, down, weights, ids)
