@@ -194,3 +194,10 @@ if triton is not None:
             return x
         else:
             return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _silu_mul(g, u, DT: tl.constexpr):
+        """silu(g) * u from fp32 sums, rounding where torch does: g, u, silu(g) and the product."""
+        g = _round(g, DT)
+        s = _round(tl.math.div_rn(g, 1.0 + _exp(-g)), DT)
+        return _round(s * _round(u, DT), DT)

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import triton
+from tp_engine.kernels import moe_grouped, triton
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs above (to be tuned on the GPU)
 
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _exp, _round
+    from tp_engine.kernels import _exp, _round, _silu_mul
 
     @triton.jit
     def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, K: tl.constexpr, K_P2: tl.constexpr,
@@ -49,13 +49,6 @@ if triton is not None:
             vals = tl.math.div_rn(vals, tl.sum(vals, axis=0))
         tl.store(w_ptr + t * K + j, vals.to(logits.dtype), mask=j < K)
         tl.store(ids_ptr + t * K + j, ids, mask=j < K)
-
-    @triton.jit
-    def _silu_mul(g, u, DT: tl.constexpr):
-        """silu(g) * u from fp32 sums, rounding where torch does: g, u, silu(g) and the product."""
-        g = _round(g, DT)
-        s = _round(tl.math.div_rn(g, 1.0 + _exp(-g)), DT)
-        return _round(s * _round(u, DT), DT)
 
     @triton.jit
     def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride,
@@ -151,8 +144,6 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
               ids: torch.Tensor) -> torch.Tensor:
     """x [N, H]; gate_up [E, 2I, H] (each expert's [gate | up] rows), down [E, H, I]; weights and ids [N, k]
     from `topk_softmax`. Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) as [N, H] in x's dtype."""
-    from tp_engine.kernels import moe_grouped
-
     assert x.stride(-1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     if ids.shape[0] == 0:
         return torch.zeros_like(x)

@@ -29,8 +29,7 @@ from tp_engine.kernels import triton
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _round
-    from tp_engine.kernels.moe import _silu_mul
+    from tp_engine.kernels import _round, _silu_mul
 
     @triton.jit
     def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, S, BLOCK: tl.constexpr):
