@@ -1,8 +1,9 @@
 """GPU path: flashinfer attention, fused Triton kernels, CUDA-graph decode, TP=2 over NCCL, and HF parity.
 
 Every test here needs a CUDA GPU (marker `gpu`; the TP=2 ones also `multi_gpu`) and skips elsewhere.
-The checkpoints are tiny random Qwen3 models written by transformers' `save_pretrained`, with head_dim 128
-so that all tests share one compiled flashinfer module.
+The checkpoint is a tiny Qwen3 written by transformers' `save_pretrained`, with head_dim 128 so that all
+tests share one compiled flashinfer module, trained until it knows a few token sequences by heart so its
+greedy margins stand well above bf16 rounding (tests/gpu_helpers.py).
 """
 from __future__ import annotations
 
@@ -16,29 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, memorize,
+                         needs_flashinfer)
+
 REPO = Path(__file__).resolve().parents[1]
-HAS_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-
-DEV = torch.device("cuda", 0) if HAS_CUDA else None
-BF16 = torch.bfloat16
-# Two logits are a near tie when they differ by less than this share of the larger (at least 0.1): bf16
-# holds 8 bits of mantissa, so logits of 20 are rounded to 1/8, and sums in another order move them as much.
-NEAR_TIE_REL, NEAR_TIE_ABS = 0.02, 0.1
-LEADING_SHARE = 0.9  # of all greedy tokens, at least this many must come before the first difference
-
-
-def needs_flashinfer():
-    pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 
 
 # ---- fixtures ----
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
-    """A random 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128), bf16 safetensors, with peaked logits:
-    weights N(0, 0.06) and an LM head of N(0, 0.3) give logits of std ~7, whose top two are mostly far apart
-    compared with bf16's rounding (median gap ~1.4 in the fp32 reference)."""
+    """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows gpu_helpers.SEQUENCES; bf16."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -46,14 +36,7 @@ def tiny_ckpt(tmp_path_factory) -> str:
                       num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3 if name.startswith("lm_head") else 0.06)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    model.to(BF16).save_pretrained(path)
-    return str(path)
+    return memorize(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 @pytest.fixture(scope="session")
@@ -70,47 +53,8 @@ def hf_ref(tiny_ckpt):
     return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
 
 
-PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77], list(range(2000, 1500, -7))]
-PARITY_PROMPTS = PROMPTS + [[11, 12, 13], list(range(700, 760)), [3, 1900, 45, 45, 45, 6, 812]]
-
-
-def llm(ckpt: str, **options):
-    from tp_engine.llm import LLM
-    opts = dict(kv_cache={"num_pages": 256}, max_batch_size=8, cuda_graph_max_batch=8, seed=0)
-    opts.update(options)
-    return LLM(model=ckpt, **opts)
-
-
-def generate(engine_llm, prompts, **sampling):
-    from tp_engine.sampler import SamplingParams
-    params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, **sampling})
-    outs = engine_llm.generate([{"input_ids": p} for p in prompts], params)
-    return [o["output_token_ids"] for o in outs]
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids], device=DEV)).logits[0].float()
-
-
-def check_against(ref, prompt: list[int], ours: list[int], theirs: list[int]) -> int:
-    """Tokens equal up to the first difference, which must be a near tie in the fp32 reference's logits
-    (`ref`, the hf_ref fixture). Returns how many leading tokens are equal."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            logits = hf_logits(ref, prompt + ours[:j])[-1]
-            gap = abs(logits[a] - logits[b]).item()
-            bound = max(NEAR_TIE_ABS, NEAR_TIE_REL * max(abs(logits[a].item()), abs(logits[b].item())))
-            assert gap < bound, f"token {j}: {a} vs {b}, fp32 logits differ by {gap:.3f} (no near tie: >= {bound:.3f})"
-            return j
-    return len(ours)
-
-
-def assert_parity(ref, prompts, ours, theirs) -> None:
-    """Every difference at a near tie, and most tokens before the first difference of their prompt."""
-    matched = sum(check_against(ref, p, a, b) for p, a, b in zip(prompts, ours, theirs))
-    total = sum(len(a) for a in ours)
-    assert matched >= LEADING_SHARE * total, f"only {matched} of {total} greedy tokens before the first difference"
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77],
+           list(range(2000, 1500, -7))]
 
 
 # ---- attention backend ----
@@ -282,13 +226,7 @@ def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model, hf_ref):
     ours = generate(m, PARITY_PROMPTS, max_new_tokens=12)
     del m
     torch.cuda.empty_cache()
-    theirs = []
-    for prompt in PARITY_PROMPTS:
-        with torch.inference_mode():
-            out = hf_model.generate(input_ids=torch.tensor([prompt], device=DEV), max_new_tokens=12,
-                                    min_new_tokens=12, do_sample=False, pad_token_id=0)
-        theirs.append(out[0, len(prompt):].tolist())
-    assert_parity(hf_ref, PARITY_PROMPTS, ours, theirs)
+    assert_parity(hf_ref, PARITY_PROMPTS, ours, hf_greedy(hf_model, PARITY_PROMPTS, 12))
 
 
 def test_kv_pool_sized_from_free_memory(tiny_ckpt, caplog):
@@ -313,7 +251,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CLI_PROMPTS = PROMPTS[:4]  # a captured batch size, so CUDA-graph and eager decode run identical shapes
+CLI_PROMPTS = PARITY_PROMPTS[:4]  # a captured batch size, so CUDA-graph and eager decode run identical shapes
 
 
 def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | None = None) -> list[list[int]]:

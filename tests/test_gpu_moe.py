@@ -2,8 +2,8 @@
 CUDA-graph decode against eager, and TP=2 against TP=1.
 
 Every test needs a CUDA GPU (marker `gpu`; the TP=2 one also `multi_gpu`) and skips elsewhere. The checkpoint
-is a tiny random Qwen3-MoE written by transformers, with head_dim 128, 4 query and 2 KV heads like
-tests/test_gpu.py's, so both share one compiled flashinfer module.
+is a tiny Qwen3-MoE written by transformers, with head_dim 128, 4 query and 2 KV heads like tests/test_gpu.py's
+(so both share one compiled flashinfer module), trained until its logits are peaked (tests/gpu_helpers.py).
 """
 from __future__ import annotations
 
@@ -17,29 +17,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_moe_checkpoint
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, memorize,
+                         needs_flashinfer)
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-
-DEV = torch.device("cuda", 0) if HAS_CUDA else None
-BF16 = torch.bfloat16
-NEAR_TIE = 0.1  # logits closer than this may order differently under another summation order in bf16
-PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77], list(range(2000, 1500, -7))]
-
-
-def needs_flashinfer():
-    pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77],
+           list(range(2000, 1500, -7))]
 
 
 @pytest.fixture(scope="session")
 def moe_ckpt(tmp_path_factory) -> str:
-    """3 layers (layer 1 dense), 16 experts, top-4, renormalised; bf16 safetensors, sharded with an index."""
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe") / "m"
-    make_moe_checkpoint(path, vocab=2048, hidden=512, inter=1024, moe_inter=256, layers=3, heads=4, kv_heads=2,
-                        head_dim=128, experts=16, top_k=4, mlp_only_layers=(1,), std=0.05, dtype=BF16, shard=True)
-    return str(path)
+    """3 layers (layer 1 dense), 16 experts, top-4, renormalised, head_dim 128; trained until it knows
+    gpu_helpers.SEQUENCES (peaked logits and routing); bf16 safetensors."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                         max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    return memorize(Qwen3MoeForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3_moe") / "m", steps=120)
 
 
 @pytest.fixture(scope="session")
@@ -48,30 +47,10 @@ def hf_moe(moe_ckpt):
     return AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=BF16).to(DEV).eval()
 
 
-def llm(ckpt: str, **options):
-    from tp_engine.llm import LLM
-    opts = dict(kv_cache={"num_pages": 256}, max_batch_size=8, cuda_graph_max_batch=8, seed=0)
-    opts.update(options)
-    return LLM(model=ckpt, **opts)
-
-
-def generate(engine_llm, prompts, **sampling) -> list[list[int]]:
-    from tp_engine.sampler import SamplingParams
-    params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, **sampling})
-    return [o["output_token_ids"] for o in engine_llm.generate([{"input_ids": p} for p in prompts], params)]
-
-
-def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) -> int:
-    """Tokens equal up to the first difference, which must be a near tie in the reference's logits.
-    Returns how many leading tokens are equal."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            with torch.inference_mode():
-                logits = model(input_ids=torch.tensor([prompt + ours[:j]], device=DEV)).logits[0, -1].float()
-            gap = abs(logits[a] - logits[b]).item()
-            assert gap < NEAR_TIE, f"token {j}: {a} vs {b}, logits differ by {gap:.3f} (no near tie)"
-            return j
-    return len(ours)
+@pytest.fixture(scope="session")
+def hf_moe_ref(moe_ckpt):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.float32).to(DEV).eval()
 
 
 # ---- kernels ----
@@ -137,22 +116,16 @@ def test_fused_moe_in_a_cuda_graph(n):
 
 # ---- whole engine ----
 
-def test_bf16_greedy_matches_hf(moe_ckpt, hf_moe):
+def test_bf16_greedy_matches_hf(moe_ckpt, hf_moe, hf_moe_ref):
     needs_flashinfer()
     m = llm(moe_ckpt)
-    ours = generate(m, PROMPTS, max_new_tokens=8)
+    ours = generate(m, PARITY_PROMPTS, max_new_tokens=12)
     del m
     torch.cuda.empty_cache()
-    matched = 0
-    for prompt, toks in zip(PROMPTS, ours):
-        with torch.inference_mode():
-            ref = hf_moe.generate(input_ids=torch.tensor([prompt], device=DEV), max_new_tokens=8, min_new_tokens=8,
-                                  do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        matched += check_against(hf_moe, prompt, toks, ref)
-    assert matched >= len(PROMPTS) * 8 // 2
+    assert_parity(hf_moe_ref, PARITY_PROMPTS, ours, hf_greedy(hf_moe, PARITY_PROMPTS, 12))
 
 
-def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe):
+def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref):
     """Batches of a captured size (4: the GEMV path; 8: the grouped path) run the same kernels on the same
     shapes with and without graphs: equal token for token. A padded batch (5 -> 8) must agree up to near ties."""
     needs_flashinfer()
@@ -169,8 +142,7 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe):
     g, e = results[True], results[False]
     for key in ("four", "one", "eight", "sampled"):
         assert g[key] == e[key], key
-    for p, a, b in zip(PROMPTS, g["padded5"], e["padded5"]):
-        check_against(hf_moe, p, a, b)
+    assert_parity(hf_moe_ref, PROMPTS, g["padded5"], e["padded5"])
 
 
 def _free_port() -> int:
@@ -180,7 +152,7 @@ def _free_port() -> int:
 
 
 def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | None = None) -> list[list[int]]:
-    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in PROMPTS[:4]], "output": str(tmp_path / f"{name}.jsonl"),
+    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in PARITY_PROMPTS[:4]], "output": str(tmp_path / f"{name}.jsonl"),
            "sampling": {"max_new_tokens": 10, "ignore_eos": True}, "kv_cache": {"num_pages": 256},
            "max_batch_size": 8, "cuda_graph_max_batch": 8, **(extra or {})}
     path = tmp_path / f"{name}.yaml"
@@ -195,11 +167,10 @@ def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | Non
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp2_matches_tp1_greedy(moe_ckpt, hf_moe, tmp_path):
+def test_tp2_matches_tp1_greedy(moe_ckpt, hf_moe_ref, tmp_path):
     needs_flashinfer()
     one = _run_cli(tmp_path, moe_ckpt, 1, "tp1")
     two = _run_cli(tmp_path, moe_ckpt, 2, "tp2")
-    matched = sum(check_against(hf_moe, p, a, b) for p, a, b in zip(PROMPTS[:4], two, one))
-    assert matched >= 4 * 10 // 2
+    assert_parity(hf_moe_ref, PARITY_PROMPTS[:4], two, one)
     eager = _run_cli(tmp_path, moe_ckpt, 2, "tp2_eager", {"cuda_graph": False})
     assert eager == two, "TP=2: CUDA-graph decode differs from eager decode"

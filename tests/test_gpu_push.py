@@ -3,7 +3,12 @@
 Each emulated rank has its own buffer, call counter and status word, exactly as a real rank has; the W
 kernels of one call run at the same time on W streams and store into each other's buffers through plain
 device pointers instead of NVLink. This proves the protocol (tags, the two halves, the bounded waits, the
-fused norm) for any W on a single GPU; tests/test_gpu.py checks it against NCCL on two GPUs.
+fused norm) for any W on a single GPU; the last test checks it against NCCL on two GPUs.
+
+The emulated ranks launch without the cooperative attribute, since cooperative kernels do not run beside
+each other on one GPU, and with waits that give up (after 5 s) rather than trap, so that a failure names
+itself instead of taking the GPU context down with it. A rank of its own (W=1) checks the cooperative launch,
+eagerly and in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -24,12 +29,13 @@ BF16 = torch.bfloat16
 SLOT = 1 << 16  # values per rank and half: messages up to 64 Ki values
 
 
-def group(world: int, start_call: int = 1, timeout_s: float = 20.0, trap: bool = True):
+def group(world: int, start_call: int = 1, timeout_s: float = 5.0, trap: bool = False, cooperative: bool = False):
     """W emulated ranks: (their PushState, a stream each)."""
     from tp_engine.comm.push_all_reduce import PushState
     bufs = [torch.zeros(2 * world * SLOT, dtype=torch.int64, device=DEV) for _ in range(world)]
     ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
-    states = [PushState.create(ptrs, SLOT, r, world, DEV, timeout_s, trap, start_call) for r in range(world)]
+    states = [PushState.create(ptrs, SLOT, r, world, DEV, timeout_s, trap, start_call, cooperative)
+              for r in range(world)]
     for s in states:
         s.keep = bufs  # the buffers live as long as any rank's state
     torch.cuda.synchronize()
@@ -50,6 +56,9 @@ def on_all(states, streams, fn, skew_cycles=None):
             outs[r] = fn(r)
     for s in streams:
         main.wait_stream(s)
+    torch.cuda.synchronize(DEV)
+    failed = [st.failure() for st in states if st.failure()]
+    assert not failed, failed
     return outs
 
 
@@ -76,7 +85,7 @@ def test_push_all_reduce_any_world_skewed(world):
         want = rank_order_sum(xs)
         for r in range(world):
             assert torch.equal(outs[r], want), (call, n, r)
-    assert all(s.failure() is None for s in states)
+
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -140,13 +149,41 @@ def test_push_all_reduce_long_run_in_a_cuda_graph():
         want = rank_order_sum(xs)
         for i in range(16):
             assert torch.equal(outs[i][0], want) and torch.equal(outs[i][1], want), (rep, i)
-    assert all(s.failure() is None for s in states)
+    assert all(s.failure() is None for s in states), [s.failure() for s in states]
+
+
+def test_push_all_reduce_cooperative_launch_eager_and_in_a_graph():
+    """The launch the engine uses (cooperative, trapping waits) at W=1: eagerly, and captured and replayed."""
+    from tp_engine.comm.push_all_reduce import push_all_reduce, push_all_reduce_add_rmsnorm
+    from tp_engine.kernels import norm
+    (st,), _ = group(1, timeout_s=20.0, trap=True, cooperative=True)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(3, 4096, device=DEV, generator=gen).to(BF16)
+    res = torch.randn(3, 4096, device=DEV, generator=gen).to(BF16)
+    w = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
+    assert torch.equal(push_all_reduce(x, st), x)
+    ref_out, ref_res = norm.add_rmsnorm(x, res, w, 1e-6)
+    out, new_res = push_all_reduce_add_rmsnorm(x, res, w, 1e-6, st)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        g_sum = push_all_reduce(x, st)
+        g_out, g_res = push_all_reduce_add_rmsnorm(x, res, w, 1e-6, st)
+    for _ in range(50):
+        x.copy_(torch.randn(3, 4096, device=DEV, generator=gen))
+        graph.replay()
+        assert torch.equal(g_sum, x)
+        ref_out, ref_res = norm.add_rmsnorm(x, res, w, 1e-6)
+        assert torch.equal(g_res, ref_res)
+        torch.testing.assert_close(g_out, ref_out)
+    assert st.failure() is None
 
 
 def test_push_all_reduce_wait_is_bounded_without_trap():
     """Start-up check mode: a peer that never calls makes the wait give up and say so; no hang, no trap."""
     from tp_engine.comm.push_all_reduce import push_all_reduce
-    states, _ = group(2, timeout_s=0.5, trap=False)
+    states, _ = group(2, timeout_s=0.5)
     push_all_reduce(torch.ones(1000, device=DEV, dtype=BF16), states[0])  # rank 1 never calls
     torch.cuda.synchronize()
     msg = states[0].failure()

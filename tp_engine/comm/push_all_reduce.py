@@ -32,7 +32,6 @@ from tp_engine.kernels import _warps, triton
 # values per program and row of the fused kernel (0: whole rows); launch/bench.py --push-chunk sets it to measure
 PUSH_NORM_CHUNK = 512
 PROGRAMS_PER_SM = 4  # with at most 2 warps a program, 4 fit on an SM whatever their registers (4 x 64 x 255 < 64 Ki)
-COOPERATIVE = True  # launch with the cooperative attribute (the driver refuses a grid that cannot all be resident)
 
 
 if triton is not None:
@@ -187,16 +186,17 @@ class PushState:
     ss: torch.Tensor  # int64 on the device: the fused norm's per-chunk sums of squares
     status: torch.Tensor  # [4] int64 in pinned host memory: call, rank, peer, 1 once a wait ran out
     max_programs: int  # the most programs one launch may have, all resident at once
+    cooperative: bool = True  # launch attribute; off only where several ranks share one GPU (the tests)
     keep: object = field(default=None, repr=False)  # whatever must live as long as `ptrs` point into it
 
     @classmethod
     def create(cls, ptrs: torch.Tensor, slot: int, rank: int, world: int, device: torch.device, timeout_s: float,
-               trap: bool = True, first_call: int = 1) -> "PushState":
+               trap: bool = True, first_call: int = 1, cooperative: bool = True) -> "PushState":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return cls(ptrs, slot, rank, world, int(timeout_s * 1e9), trap,
                    torch.tensor([first_call, 0], dtype=torch.int64, device=device),
                    torch.zeros(slot // 32 + 64, dtype=torch.int64, device=device),
-                   torch.zeros(4, dtype=torch.int64, pin_memory=True), PROGRAMS_PER_SM * sms)
+                   torch.zeros(4, dtype=torch.int64, pin_memory=True), PROGRAMS_PER_SM * sms, cooperative)
 
     def failure(self) -> str | None:
         """What went wrong, if a wait of this rank's kernels ran out (readable after a trap: host memory)."""
@@ -232,7 +232,7 @@ def push_all_reduce(x: torch.Tensor, st: PushState) -> torch.Tensor:
     out = torch.empty_like(x)
     _push_all_reduce_kernel[(max(1, triton.cdiv(n, PLAIN_BLOCK)),)](
         x, out, st.ptrs, st.state, st.status.data_ptr(), st.timeout_ns, n, st.slot, RANK=st.rank, WORLD=st.world,
-        BLOCK=PLAIN_BLOCK, TRAP=st.trap, num_warps=2, launch_cooperative_grid=COOPERATIVE)
+        BLOCK=PLAIN_BLOCK, TRAP=st.trap, num_warps=2, launch_cooperative_grid=st.cooperative)
     return out
 
 
@@ -252,5 +252,5 @@ def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
             x, residual, weight, out, res_out, st.ptrs, st.state, st.ss, st.status.data_ptr(), st.timeout_ns, n,
             1.0 / n, eps, st.slot, RANK=st.rank, WORLD=st.world, CHUNK=chunk, NCHUNK=nchunk,
             NCHUNK_P2=triton.next_power_of_2(nchunk), TRAP=st.trap, num_warps=min(2, _warps(chunk)),
-            launch_cooperative_grid=COOPERATIVE)
+            launch_cooperative_grid=st.cooperative)
     return out, res_out
