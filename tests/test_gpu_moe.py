@@ -76,7 +76,9 @@ def test_fused_moe_matches_reference(n):
     weights, ids = moe.topk_softmax(logits, 8, True)
     probs = torch.softmax(logits, -1, dtype=torch.float32)
     ref_w, ref_ids = probs.topk(8, dim=-1)
-    assert (ids.long() == ref_ids).float().mean() > 0.99  # ties aside
+    # bf16 router logits tie often (8 bits of mantissa over 128 experts), and tied experts may come in
+    # another order or, at the k-th place, be another of the tied ones: the chosen probabilities must agree
+    assert torch.equal(probs.gather(1, ids.long()).sort(dim=-1, descending=True).values, ref_w)
     torch.testing.assert_close(weights, (ref_w / ref_w.sum(-1, keepdim=True)).to(BF16))
     # The tolerance is what bf16 costs the torch loop itself, measured against the same loop in fp32.
     exact = experts_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)

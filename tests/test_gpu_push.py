@@ -43,11 +43,15 @@ def group(world: int, start_call: int = 1, timeout_s: float = 5.0, trap: bool = 
 
 
 def on_all(states, streams, fn, skew_cycles=None):
-    """Launch fn(rank) on every rank's stream at once (after an optional sleep on some); returns the outputs."""
+    """Launch fn(rank) on every rank's stream at once (after an optional sleep on some); returns the outputs.
+    Every rank's kernel is compiled and loaded first (fn(rank, False)): in one process, loading a module can
+    wait for the kernels still running, and a kernel already waiting for its peers would wait for ever."""
     main = torch.cuda.current_stream(DEV)
     outs = [None] * len(states)
     order = list(range(len(states)))
     random.shuffle(order)
+    for r in order:
+        fn(r, False)
     for r in order:
         streams[r].wait_stream(main)
         with torch.cuda.stream(streams[r]):
@@ -81,7 +85,7 @@ def test_push_all_reduce_any_world_skewed(world):
         n = random.choice([1, 7, 512, 513, 4096, 5000, SLOT // world, SLOT])
         xs = [torch.randn(n, device=DEV, generator=gen).to(BF16) for _ in range(world)]
         skew = [random.choice([0, 0, 20_000, 100_000]) for _ in range(world)]
-        outs = on_all(states, streams, lambda r: push_all_reduce(xs[r], states[r]), skew)
+        outs = on_all(states, streams, lambda r, go=True: push_all_reduce(xs[r], states[r], go), skew)
         want = rank_order_sum(xs)
         for r in range(world):
             assert torch.equal(outs[r], want), (call, n, r)
@@ -102,7 +106,7 @@ def test_push_all_reduce_rmsnorm_any_world(world):
         res = torch.randn(rows, hidden, device=DEV, generator=gen).to(BF16)
         w = (torch.rand(hidden, device=DEV, generator=gen) + 0.5).to(BF16)
         skew = [random.choice([0, 50_000]) for _ in range(world)]
-        outs = on_all(states, streams, lambda r: push_all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, states[r]), skew)
+        outs = on_all(states, streams, lambda r, go=True: push_all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, states[r], go), skew)
         ref_out, ref_res = norm.add_rmsnorm(rank_order_sum(xs), res, w, 1e-6)
         for r in range(world):
             assert torch.equal(outs[r][1], ref_res), (call, r)
@@ -118,7 +122,7 @@ def test_push_all_reduce_across_the_tag_wrap():
     gen = torch.Generator(device=DEV).manual_seed(3)
     for call in range(8):
         xs = [torch.randn(4096, device=DEV, generator=gen).to(BF16) + 1 for _ in range(2)]
-        outs = on_all(states, streams, lambda r: push_all_reduce(xs[r], states[r]), [0, 2_000_000])
+        outs = on_all(states, streams, lambda r, go=True: push_all_reduce(xs[r], states[r], go), [0, 2_000_000])
         want = rank_order_sum(xs)
         assert torch.equal(outs[0], want) and torch.equal(outs[1], want), call
     assert int(states[0].state[0]) == (1 << 32) + 5
@@ -130,6 +134,8 @@ def test_push_all_reduce_long_run_in_a_cuda_graph():
     states, streams = group(2)
     gen = torch.Generator(device=DEV).manual_seed(4)
     xs = [torch.zeros(4096, device=DEV, dtype=BF16) for _ in range(2)]
+    for r in range(2):  # compile and load before the capture
+        push_all_reduce(xs[r], states[r], launch=False)
     capture = torch.cuda.Stream(DEV)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=capture, capture_error_mode="thread_local"):

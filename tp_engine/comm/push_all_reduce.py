@@ -225,19 +225,28 @@ def _norm_chunk(n: int) -> int:
     return full if PUSH_NORM_CHUNK <= 0 else min(PUSH_NORM_CHUNK, full)
 
 
-def push_all_reduce(x: torch.Tensor, st: PushState) -> torch.Tensor:
-    """Sum of `x` over the ranks (custom_all_reduce._PushAllReduce owns the buffers behind `st`)."""
+def _start(kernel, grid: tuple, args: tuple, kwargs: dict, launch: bool) -> None:
+    if launch:
+        kernel[grid](*args, **kwargs)
+    else:  # compile and load only: loading a module can wait for kernels still running, a peer's among them
+        kernel.run(*args, grid=grid, warmup=True, **kwargs)._init_handles()
+
+
+def push_all_reduce(x: torch.Tensor, st: PushState, launch: bool = True) -> torch.Tensor:
+    """Sum of `x` over the ranks (custom_all_reduce._PushAllReduce owns the buffers behind `st`).
+    launch=False only compiles and loads the kernel for these arguments (used where ranks share a GPU)."""
     n = x.numel()
     assert x.is_contiguous() and n <= st.slot and st.programs(x, False) <= st.max_programs
     out = torch.empty_like(x)
-    _push_all_reduce_kernel[(max(1, triton.cdiv(n, PLAIN_BLOCK)),)](
-        x, out, st.ptrs, st.state, st.status.data_ptr(), st.timeout_ns, n, st.slot, RANK=st.rank, WORLD=st.world,
-        BLOCK=PLAIN_BLOCK, TRAP=st.trap, num_warps=2, launch_cooperative_grid=st.cooperative)
+    _start(_push_all_reduce_kernel, (max(1, triton.cdiv(n, PLAIN_BLOCK)),),
+           (x, out, st.ptrs, st.state, st.status.data_ptr(), st.timeout_ns, n, st.slot),
+           dict(RANK=st.rank, WORLD=st.world, BLOCK=PLAIN_BLOCK, TRAP=st.trap, num_warps=2,
+                launch_cooperative_grid=st.cooperative), launch)
     return out
 
 
 def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                st: PushState) -> tuple[torch.Tensor, torch.Tensor]:
+                                st: PushState, launch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rmsnorm(push_all_reduce(x), residual, weight, eps)` in one kernel. Each row is cut into chunks of
     PUSH_NORM_CHUNK values, one program each; a row's programs exchange their sums of squares through `st.ss`."""
     n = x.shape[-1]
@@ -248,9 +257,9 @@ def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
         chunk = _norm_chunk(n)
         nchunk = triton.cdiv(n, chunk)
         assert rows * nchunk <= min(st.ss.numel(), st.max_programs)
-        _push_all_reduce_rmsnorm_kernel[(rows, nchunk)](
-            x, residual, weight, out, res_out, st.ptrs, st.state, st.ss, st.status.data_ptr(), st.timeout_ns, n,
-            1.0 / n, eps, st.slot, RANK=st.rank, WORLD=st.world, CHUNK=chunk, NCHUNK=nchunk,
-            NCHUNK_P2=triton.next_power_of_2(nchunk), TRAP=st.trap, num_warps=min(2, _warps(chunk)),
-            launch_cooperative_grid=st.cooperative)
+        _start(_push_all_reduce_rmsnorm_kernel, (rows, nchunk),
+               (x, residual, weight, out, res_out, st.ptrs, st.state, st.ss, st.status.data_ptr(), st.timeout_ns,
+                n, 1.0 / n, eps, st.slot),
+               dict(RANK=st.rank, WORLD=st.world, CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P2=triton.next_power_of_2(nchunk),
+                    TRAP=st.trap, num_warps=min(2, _warps(chunk)), launch_cooperative_grid=st.cooperative), launch)
     return out, res_out
