@@ -67,6 +67,8 @@ for dt in (torch.float32, torch.bfloat16):
         paths = {}
         if n <= moe.GEMV_MAX_TOKENS:
             paths["gemv"] = lambda: moe.moe_gemv(x, gate_up, down, weights, ids)
+            for t in moe.GEMV_TILES:  # every tile the GPU may pick
+                paths[f"gemv {t}"] = lambda t=t: moe._down(moe._gate_up(x, gate_up, ids, t), down, ids, weights, t)
         for cfg in (moe_grouped.SMALL, moe_grouped.LARGE):
             paths[f"grouped BM={cfg.BM}"] = lambda cfg=cfg: moe_grouped.moe_grouped(x, gate_up, down, weights, ids, cfg)
         for name, run in paths.items():
@@ -130,18 +132,6 @@ def _spills(kernel) -> str | None:
     return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
 
 
-def _gemv_tiles() -> set:
-    """The (rows, step) tiles `moe_gemv` picks for the public shapes at TP 1-8 and 1-4 tokens."""
-    from tp_engine.kernels import moe
-    tiles = {"gate_up": set(), "down": set()}
-    for hidden, inter in ((2048, 768), (4096, 1536)):
-        for tp in (1, 2, 4, 8):
-            for n in range(1, moe.GEMV_MAX_TOKENS + 1):
-                tiles["gate_up"].add(moe._tile(inter // tp, hidden, n * 8))
-                tiles["down"].add(moe._tile(hidden, inter // tp, n))
-    return tiles
-
-
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_compile_for_sm90():
     from tp_engine.kernels import moe, moe_grouped as g
@@ -153,9 +143,9 @@ def test_kernels_compile_for_sm90():
     kernels = [(moe._topk_softmax_kernel, dict(K=8, K_P2=8, RENORM=True, BLOCK_E=128), 1, 1),
                (g._count_kernel, dict(BLOCK=1024), 4, 1), (g._scatter_kernel, dict(BLOCK=1024), 4, 1),
                (g._offsets_kernel, dict(BM=16, E_P2=128, BB=64, FILL=1024), 4, 1)]
-    tiles = _gemv_tiles()
-    kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk), 4, 3) for bn, bk in sorted(tiles["gate_up"])]
-    kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, BN=bn, BK=bk), 4, 3) for bn, bk in sorted(tiles["down"])]
+    for bn, bk, warps in moe.GEMV_TILES:  # every tile the few-token path may pick, at the widest step it runs
+        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk), warps, 3),
+                    (moe._gemv_down_kernel, dict(TOP_K=8, BN=bn, BK=bk), warps, 3)]
     for cfg in (g.SMALL, g.LARGE):
         tile = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK)
         kernels += [(g._gate_up_kernel, dict(TOP_K=8, **tile), cfg.num_warps, cfg.num_stages),

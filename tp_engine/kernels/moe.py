@@ -110,34 +110,66 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     return weights, ids
 
 
-def _tile(rows: int, cols: int, programs_per_row: int, want: int = 264) -> tuple[int, int]:
-    """GEMV tile (output rows per program, reduction step): as few rows as keep about `want` programs (two per
-    H100/H200 SM) busy, and rows x step <= 2048, which holds the fp32 partial sums in registers without spills
-    at 4 warps (checked by compiling for sm_90, tests/test_moe_kernels.py)."""
-    bn = 32
-    while bn > 4 and programs_per_row * triton.cdiv(rows, bn) < want:
-        bn //= 2
-    return bn, min(triton.next_power_of_2(cols), 2048 // bn)
+# (output rows per program, reduction step, warps) of the few-token path. rows x step <= 2048 per 4 warps holds
+# the fp32 partial sums in registers without spills (compiled for sm_90 in tests/test_moe_kernels.py). Each
+# shape times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py
+# does): few wide rows give many programs and long contiguous reads, many narrow ones fewer programs.
+GEMV_TILES = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 128, 4)]
+_DEFAULT = ((16, 128, 4), (4, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
+_CHOICE: dict = {}
+
+
+def _gate_up(x, gate_up, ids, tile) -> torch.Tensor:
+    n, k = ids.shape
+    _, two_i, h = gate_up.shape
+    i = two_i // 2
+    bn, bk, warps = tile
+    act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
+    _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
+        x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(h)), num_warps=warps)
+    return act
+
+
+def _down(act, down, ids, weights, tile) -> torch.Tensor:
+    n, k = ids.shape
+    _, h, i = down.shape
+    bn, bk, warps = tile
+    out = torch.empty((n, h), dtype=act.dtype, device=act.device)
+    _gemv_down_kernel[(n, triton.cdiv(h, bn))](
+        act, down, ids, weights, out, i, h, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(i)), num_warps=warps)
+    return out
+
+
+def _choose(x, gate_up, down, weights, ids) -> tuple:
+    """The fastest tile of each kernel for these shapes, timed over routings to random experts, so that the
+    weights come from HBM as they do in a step, not from the L2 cache."""
+    from tp_engine.kernels.gemv import _time
+    n, k = ids.shape
+    e = gate_up.shape[0]
+    routes = [torch.stack([torch.randperm(e, device=x.device)[:k] for _ in range(n)]).to(ids.dtype)
+              for _ in range(8)]
+    act = _gate_up(x, gate_up, ids, GEMV_TILES[0])
+    best = []
+    for run in (lambda r, t: _gate_up(x, gate_up, r, t), lambda r, t: _down(act, down, r, weights, t)):
+        times = {t: _time(lambda r: run(r, t), routes) for t in GEMV_TILES}
+        best.append(min(times, key=times.get))
+    return tuple(best)
 
 
 def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
              ids: torch.Tensor) -> torch.Tensor:
     """The few-token path of `fused_moe`: reads only the chosen experts' weights."""
-    n, k = ids.shape
-    _, two_i, h = gate_up.shape
-    i = two_i // 2
-    ids = ids.contiguous()
-    act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
-    bn, bk = _tile(i, h, n * k)
-    _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
-        x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=k, BN=bn, BK=bk, num_warps=4)
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    bn, bk = _tile(h, i, n)
-    _gemv_down_kernel[(n, triton.cdiv(h, bn))](
-        act, down, ids, weights.contiguous(), out, i, h, act.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), TOP_K=k, BN=bn, BK=bk, num_warps=4)
-    return out
+    ids, weights = ids.contiguous(), weights.contiguous()
+    key = (tuple(ids.shape), tuple(gate_up.shape), x.dtype, x.device.index)
+    tiles = _CHOICE.get(key)
+    if tiles is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            tiles = _DEFAULT
+        else:
+            tiles = _CHOICE[key] = _choose(x, gate_up, down, weights, ids)
+    return _down(_gate_up(x, gate_up, ids, tiles[0]), down, ids, weights, tiles[1])
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
