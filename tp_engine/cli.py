@@ -16,6 +16,7 @@ import yaml
 from tp_engine import config as C
 from tp_engine.distributed import StartupError
 from tp_engine.progress import Progress, Streamer
+from tp_engine.textio import jsonl_lines, read_utf8
 
 log = logging.getLogger("tp_engine")
 FOLLOWER_GRACE_S = 5.0
@@ -52,7 +53,7 @@ def read_prompts(cfg: dict) -> list:
     if not path.is_file():
         raise C.ConfigError(f"config key 'prompts_file': file not found: {path}")
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(jsonl_lines(read_utf8(path, C.ConfigError)), 1):
         if not line.strip():
             continue
         try:

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from tp_engine.textio import decode_utf8
+
 
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message names the key."""
@@ -139,7 +141,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(decode_utf8(p.read_bytes(), str(p), ConfigError)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
