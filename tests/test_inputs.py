@@ -1,11 +1,11 @@
-"""Inputs read defensively: UTF-8 and JSONL lines. In-process: no torchrun."""
+"""Inputs read defensively: UTF-8 and JSONL lines, config.json field types. In-process: no torchrun."""
 import json
 
 import pytest
 
 from helpers import ROOT
 from tp_engine.cli import main
-from tp_engine.config import build_config
+from tp_engine.config import ModelConfig, ModelError, build_config
 
 DEMO = ROOT / "configs" / "models" / "demo"
 
@@ -47,3 +47,24 @@ def test_prompts_file_lines_end_at_newlines_only(tmp_path, capsys):
     assert code == 0, err
     from tp_engine.cli import read_prompts
     assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"}, {"input_ids": [1, 2]}]
+
+
+# ---- config.json ----
+
+CONFIG_JSON_CASES = {
+    "string_for_int": ({"num_attention_heads": "4"}, "field 'num_attention_heads' must be an integer >= 1, got \"4\""),
+    "null_for_float": ({"rms_norm_eps": None}, "field 'rms_norm_eps' must be a positive number, got null"),
+    "bool_for_int": ({"hidden_size": True}, "field 'hidden_size' must be an integer >= 1, got true"),
+    "string_for_bool": ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false"),
+    "not_an_object": ([1, 2], "must hold a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_JSON_CASES))
+def test_config_json_fields_are_type_checked(tmp_path, case):
+    change, needle = CONFIG_JSON_CASES[case]
+    raw = change if isinstance(change, list) else {**json.loads((DEMO / "config.json").read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelError) as err:
+        ModelConfig.from_dir(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(err.value) and needle in str(err.value)
