@@ -65,6 +65,7 @@ CONFIG_CASES = {
     "cuda_without_gpu": ({"device": "cuda"}, ["cuda", "no CUDA device"]),
     "flashinfer_on_cpu": ({"attention_backend": "flashinfer"}, ["flashinfer", "cuda"]),
     "max_model_len_past_rope_table": ({"max_model_len": 100000}, ["100000", "max_position_embeddings 512"]),
+    "seed_out_of_range": ({"seed": 2**32}, ["seed", "[0, 2**32)", "4294967296"]),
 }
 
 

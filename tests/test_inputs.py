@@ -1,11 +1,12 @@
-"""Inputs read defensively: UTF-8 and JSONL lines, config.json field types. In-process: no torchrun."""
+"""Inputs read defensively, and the Python API as strict as the config: UTF-8 and JSONL lines, config.json
+field types, SamplingParams by the config's own rules. In-process: no torchrun."""
 import json
 
 import pytest
 
 from helpers import ROOT
 from tp_engine.cli import main
-from tp_engine.config import ModelConfig, ModelError, build_config
+from tp_engine.config import ConfigError, ModelConfig, ModelError, build_config
 
 DEMO = ROOT / "configs" / "models" / "demo"
 
@@ -68,3 +69,20 @@ def test_config_json_fields_are_type_checked(tmp_path, case):
     with pytest.raises(ModelError) as err:
         ModelConfig.from_dir(str(tmp_path))
     assert str(tmp_path / "config.json") in str(err.value) and needle in str(err.value)
+
+
+# ---- the Python API ----
+
+BAD_SAMPLING = [("temperature", "0.7"), ("max_new_tokens", 1.5), ("stop_token_ids", 5), ("top_k", True),
+                ("top_p", 0), ("stop", [""]), ("seed", 2**32), ("seed", -1)]
+
+
+@pytest.mark.parametrize("name,value", BAD_SAMPLING)
+def test_sampling_params_follow_the_config_rules(name, value):
+    from tp_engine.sampler import SamplingParams
+    key = "seed" if name == "seed" else f"sampling.{name}"
+    with pytest.raises(ConfigError) as from_config:
+        build_config(model=str(DEMO), prompts=[], **({name: value} if name == "seed" else {"sampling": {name: value}}))
+    with pytest.raises(ConfigError) as from_api:
+        SamplingParams(**{name: value})
+    assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'", f"SamplingParams.{name}")
