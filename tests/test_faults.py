@@ -141,8 +141,18 @@ def rewrite_tensors(path, change):
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
+def poison(tensors, name, value):
+    tensors[name] = tensors[name].clone()
+    tensors[name][3, 5] = value
+
+
 CKPT_CASES = {
     "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["missing", "model.layers.1.mlp.up_proj.weight"]),
+    "int8": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
+             ["model.layers.0.mlp.up_proj.weight", "dtype I8"]),
+    "bool": (lambda t: t.update({"model.norm.weight": t["model.norm.weight"] > 0}), ["model.norm.weight", "dtype BOOL"]),
+    "nan": (lambda t: poison(t, "model.layers.1.self_attn.o_proj.weight", float("nan")),
+            ["model.layers.1.self_attn.o_proj.weight", "NaN or infinite"]),
     "unexpected": (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
                    ["unexpected", "model.layers.0.mlp.extra.weight"]),
     "wrong_shape": (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64)}),
