@@ -20,6 +20,7 @@ from tp_engine.textio import jsonl_lines, read_utf8
 
 log = logging.getLogger("tp_engine")
 FOLLOWER_GRACE_S = 5.0
+EXIT_PROMPT_ERRORS = 3  # the other codes: 0 done, 1 a rank failed, 2 start-up error, 128+N signal N
 
 EXAMPLES = """examples:
   torchrun --nproc_per_node=2 launch/generate.py --config configs/demo.yaml
@@ -128,14 +129,18 @@ def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
     seconds = time.perf_counter() - t0
     sink.close()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
+    errors = sum(o["finish_reason"] == "error" for o in outputs)
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
-               "output_tokens": n_out, "errors": sum(o["finish_reason"] == "error" for o in outputs),
+               "output_tokens": n_out, "errors": errors,
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
         summary["preempted"] = llm.engine.num_preempted
     if sink.done_indices:
         summary["resumed_skipped"] = len(sink.done_indices)
     print("summary: " + json.dumps(summary), file=sys.stderr)
+    if errors:  # finished, but not every prompt has a result: say so in the exit status (see troubleshooting.md)
+        return finish(llm, fail(0, f"{errors} of {len(outputs)} prompts ended with finish_reason \"error\" "
+                                   "(the reason is in their \"error\" field)", EXIT_PROMPT_ERRORS))
     return finish(llm, 0)
 
 
