@@ -207,6 +207,20 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
     assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == [c["output_token_ids"] for c in clean]
 
 
+def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
+    demo = ROOT / "configs" / "models" / "demo"  # has a tokenizer and a chat template
+    ok = {"messages": [{"role": "user", "content": "Hi"}]}
+    prompts = ["Alice was beginning", {"messages": "hello"}, {"messages": [{"content": "Hi"}]},
+               {"messages": [{"role": "user", "content": 5}]}, ok, {"input_ids": [1, True, 3]}]
+    cfg = {"model": str(demo), "prompts": prompts, "sampling": {"max_new_tokens": 4}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-3000:]
+    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length", "error"]
+    assert "non-empty list" in lines[1]["error"]
+    assert "'role'" in lines[2]["error"] and "'content' must be a string" in lines[3]["error"]
+    assert "input_ids" in lines[5]["error"]
+
+
 # ---- memory pressure ----
 
 def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):

@@ -1,5 +1,5 @@
 """Inputs read defensively, and the Python API as strict as the config: UTF-8 and JSONL lines, config.json
-field types, SamplingParams by the config's own rules. In-process: no torchrun."""
+field types, SamplingParams by the config's own rules, generate() with one prompt. In-process: no torchrun."""
 import json
 
 import pytest
@@ -46,7 +46,7 @@ def test_prompts_file_lines_end_at_newlines_only(tmp_path, capsys):
     conf, pf = config_with_prompts_file(tmp_path, '{"prompt": "one\u2028two"}\r\n{"input_ids": [1, 2]}\n'.encode())
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 0, err
-    from tp_engine.cli import read_prompts
+    from tp_engine.prompts import read_prompts
     assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"}, {"input_ids": [1, 2]}]
 
 
@@ -86,3 +86,18 @@ def test_sampling_params_follow_the_config_rules(name, value):
     with pytest.raises(ConfigError) as from_api:
         SamplingParams(**{name: value})
     assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'", f"SamplingParams.{name}")
+
+
+def test_generate_takes_one_prompt_and_stop_as_one_string():
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+    llm = LLM(model=str(DEMO), device="cpu")
+    params = SamplingParams(max_new_tokens=40, stop=" sister")
+    assert params.stop == [" sister"]
+    (out,) = llm.generate("Alice was beginning to get very tired", params)  # one prompt, not one per character
+    assert (out["finish_reason"], out["text"]) == ("stop", " of sitting by her")  # cut at the string, not a letter
+    (again,) = llm.generate(out["prompt_token_ids"], SamplingParams(max_new_tokens=3))  # one list of ids
+    assert again["prompt_token_ids"] == out["prompt_token_ids"] and len(again["output_token_ids"]) == 3
+    with pytest.raises(TypeError):
+        llm.generate(5)
+    llm.shutdown()

@@ -16,7 +16,7 @@ import yaml
 from tp_engine import config as C
 from tp_engine.distributed import StartupError
 from tp_engine.progress import Progress, Streamer
-from tp_engine.textio import jsonl_lines, read_utf8
+from tp_engine.prompts import read_prompts
 
 log = logging.getLogger("tp_engine")
 FOLLOWER_GRACE_S = 5.0
@@ -42,29 +42,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p.parse_args(argv)
-
-
-def read_prompts(cfg: dict) -> list:
-    if (cfg["prompts"] is None) == (cfg["prompts_file"] is None):
-        raise C.ConfigError("give exactly one of 'prompts' (a list) and 'prompts_file' (a JSONL path)"
-                            + ("; both are set" if cfg["prompts"] is not None else "; neither is set"))
-    if cfg["prompts"] is not None:
-        return cfg["prompts"]
-    path = Path(cfg["prompts_file"])
-    if not path.is_file():
-        raise C.ConfigError(f"config key 'prompts_file': file not found: {path}")
-    prompts = []
-    for n, line in enumerate(jsonl_lines(read_utf8(path, C.ConfigError)), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise C.ConfigError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(item, dict) or not ({"prompt", "input_ids", "messages"} & set(item)):
-            raise C.ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
-        prompts.append(item)
-    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
