@@ -55,8 +55,13 @@ class LLM:
                  on_token: Callable[[Request], None] | None = None) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt (not skipped),
         in input order; the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on
-        rank 0 as each request completes (in completion order)."""
+        rank 0 as each request completes (in completion order).
+
+        If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves the
+        call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
+        engine then refuses every later call."""
         # Checks that can fail run on every rank before any collective, so all ranks fail alike.
+        self.engine.check_usable()
         prompts = as_list(prompts)
         params = sampling_params if sampling_params is not None else sampling_params_from(self.cfg)
         if not isinstance(params, SamplingParams):
@@ -73,18 +78,22 @@ class LLM:
             if on_finish is not None:
                 on_finish(out)
 
-        requests = []
-        for i, prompt in enumerate(prompts):
-            if i in skip:
-                continue
-            got = self.prompts.try_encode(prompt)
-            req = Request(i, [] if isinstance(got, PromptError) else got, params)
-            error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
-            if error is not None:  # a bad prompt gets an error line; the others still run
-                req.finish_reason, req.error = "error", error
-                finish(req)
-                continue
-            requests.append(req)
+        try:  # the other ranks already wait for the first step: a failure here must release them
+            requests = []
+            for i, prompt in enumerate(prompts):
+                if i in skip:
+                    continue
+                got = self.prompts.try_encode(prompt)
+                req = Request(i, [] if isinstance(got, PromptError) else got, params)
+                error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
+                if error is not None:  # a bad prompt gets an error line; the others still run
+                    req.finish_reason, req.error = "error", error
+                    finish(req)
+                    continue
+                requests.append(req)
+        except BaseException:
+            self.engine.release_followers()
+            raise
         stops = params.stop
 
         def check_token(req: Request) -> bool:
@@ -133,7 +142,8 @@ class LLM:
 
     def shutdown(self) -> None:
         """Leave the process group. Call on every rank at the end of a script."""
-        tpd.shutdown()
+        if self.engine is not None and self.engine.broken is None:  # ranks out of step would never meet
+            tpd.shutdown()
         # Layers hold the group too; free them now rather than during interpreter teardown, where gloo's
         # threads can abort the process.
         self.engine = self.tp = None
