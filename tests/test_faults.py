@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import GENERATE, free_port, make_checkpoint, run_cli
+from helpers import GENERATE, free_port, make_checkpoint, run_cli, start_job, wait_for_lines, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}, {"input_ids": [9, 9, 9, 9]}]
@@ -238,50 +238,12 @@ def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):
 
 # ---- nothing lost, no hangs ----
 
-def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job"):
-    conf = tmp_path / f"{name}.yaml"
-    import yaml
-    conf.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(script), "--config", str(conf)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-
-
 def long_job(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [{"input_ids": [i % 500 + 1, 2, 3]} for i in range(300)]
     cfg = base(ckpt, prompts=prompts, output=str(out), max_batch_size=2, device="cpu",
                sampling={"max_new_tokens": 40, "ignore_eos": True})
     return cfg, out
-
-
-def wait_for_lines(out, n, proc, limit=120):
-    t0 = time.time()
-    while time.time() - t0 < limit:
-        if out.is_file() and len(out.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise AssertionError("no results appeared")
-
-
-def worker_pids(launcher_pid):
-    """torchrun's workers, by RANK."""
-    pids = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (d / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid:
-            for kv in env:
-                if kv.startswith(b"RANK="):
-                    pids[int(kv[5:])] = int(d.name)
-    return pids
 
 
 def check_results_file(out, n_prompts):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from tp_engine import config as C
 from tp_engine import distributed as tpd
 from tp_engine.engine import Engine
+from tp_engine.lifeline import exit_with_launcher
 from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
@@ -30,6 +31,7 @@ class LLM:
         if model is not None:
             options["model"] = model
         self.cfg = C.build_config(config, overrides, **options)
+        exit_with_launcher()
         self.engine = Engine(self.cfg)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
