@@ -69,7 +69,7 @@ def free_port() -> int:
 
 
 def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
-            name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
+            name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines."""
     cfg = dict(cfg)
     cfg.setdefault("output", str(tmp_path / f"{name}.jsonl"))
@@ -81,7 +81,7 @@ def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = Path(cfg["output"])
-    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if read_output and out.is_file() else []
     return proc, lines
 
 

@@ -9,14 +9,19 @@ import signal
 import threading
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from tp_engine import config as C
 from tp_engine.distributed import StartupError
+from tp_engine.output_file import OutputLock, check_target
 from tp_engine.progress import Progress, Streamer
-from tp_engine.prompts import read_prompts
+from tp_engine.prompts import PromptEncoder, read_prompts
+from tp_engine.results import ResultSink, read_for_resume, run_settings
+
+if TYPE_CHECKING:  # torch itself is imported only once the config is known to be good
+    import torch
 
 log = logging.getLogger("tp_engine")
 FOLLOWER_GRACE_S = 5.0
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     install_signal_handlers(rank)
     try:
-        return run(cfg, prompts, rank, quiet=args.quiet)
+        return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)
     except StartupError as e:
         fail(rank, str(e), 2)
         sys.stderr.flush()
@@ -74,14 +79,43 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
 
 
-def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
+class Preflight:
+    """Rank 0's start-up work that needs no weights: the output file (checks, lock, resume) and the prompts'
+    ids. The engine runs it before any rank loads a weight, and every rank stops if it fails."""
+
+    def __init__(self, cfg: dict, prompts: list, config_path: str | None) -> None:
+        self.cfg, self.prompts, self.config_path = cfg, prompts, config_path
+        self.lock: OutputLock | None = None
+        self.encoded: list = []
+        self.sink: ResultSink | None = None
+
+    def __call__(self, device: torch.device) -> None:
+        from tp_engine.engine import auto_dtype  # torch is loaded by now
+
+        cfg, target, shown = self.cfg, None, self.cfg["output"]
+        if shown:
+            target = check_target(shown, {"config file": self.config_path, "prompts_file": cfg["prompts_file"]},
+                                  cfg["model"])
+            self.lock = OutputLock(target, shown)
+        encoder = PromptEncoder.from_config(cfg)
+        self.encoded = encoder.encode_all(self.prompts)
+        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(C.ModelConfig.from_dir(cfg["model"]), device)
+        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")))
+        done, retry = {}, []
+        if target is not None and cfg["resume"] and target.exists():
+            done, retry = read_for_resume(target, shown, self.encoded, settings)
+        self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
+
+
+def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, quiet: bool = False) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
-    llm = LLM(**cfg)
+    preflight = Preflight(cfg, prompts, config_path)
+    llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
     if not llm.rank0:
         llm.generate(prompts)
         return finish(llm, 0)
-    sink = ResultSink(cfg["output"], cfg["resume"], len(prompts), llm.decode if llm.tokenizer else None)
+    sink = preflight.sink
     progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
@@ -102,9 +136,12 @@ def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
             streamer.update(out["output_token_ids"], final=True)
 
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token)
+    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token,
+                           encoded=preflight.encoded)
     seconds = time.perf_counter() - t0
     sink.close()
+    if preflight.lock is not None:
+        preflight.lock.release()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
     errors = sum(o["finish_reason"] == "error" for o in outputs)
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
@@ -131,65 +168,6 @@ def finish(llm, code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-class ResultSink:
-    """Rank 0's results. With an output file, each result is appended and flushed the moment its request
-    finishes (a crash loses only requests in flight); at the end the file is rewritten in input order."""
-
-    def __init__(self, path: str | None, resume: bool, num_prompts: int, decode=None) -> None:
-        self.path, self.decode = (Path(path) if path else None), decode
-        self.results: dict[int, dict] = {}
-        if self.path and resume and self.path.is_file():
-            self.results = read_results(self.path, num_prompts)
-        self.done_indices = set(self.results)
-        self.file = None
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_jsonl(self.path, [self.results[i] for i in sorted(self.results)])  # drops a torn last line
-            self.file = self.path.open("a")
-
-    def add(self, out: dict) -> None:
-        self.results[out["index"]] = out
-        if self.file:
-            self.file.write(json.dumps(out) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        ordered = [self.results[i] for i in sorted(self.results)]
-        if self.file:
-            self.file.close()
-            write_jsonl(self.path, ordered)
-        elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
-            for out in ordered:
-                head = f"[{out['index']}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
-                body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
-                print(f"\033[2m{head}\033[0m\n{body}\n")
-        else:
-            for out in ordered:
-                print(json.dumps(out))
-
-
-def read_results(path: Path, num_prompts: int) -> dict[int, dict]:
-    """Results already in `path` (for resume); a line cut short by a crash is ignored."""
-    found = {}
-    for line in path.read_text().splitlines():
-        try:
-            out = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(out, dict) and isinstance(out.get("index"), int) and 0 <= out["index"] < num_prompts:
-            found[out["index"]] = out
-    return found
-
-
-def write_jsonl(path: Path, outputs: list[dict]) -> None:
-    """Write atomically: a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for out in outputs:
-            f.write(json.dumps(out) + "\n")
-    os.replace(tmp, path)
 
 
 def fail(rank: int, message: str, code: int, always: bool = False) -> int:

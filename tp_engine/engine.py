@@ -59,7 +59,8 @@ def check_backend(name: str, device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, preflight: Callable[[torch.device], None] | None = None) -> None:
+        """`preflight(device)` runs on rank 0 before any rank loads weights; see LLM."""
         self.cfg = cfg
         self.broken: str | None = None  # why the ranks may be out of step (see check_usable)
         try:
@@ -69,6 +70,12 @@ class Engine:
         self.tp = tpd.init_distributed(device, cfg["timeout_s"])
         self.device = device
         error = None
+        if preflight is not None and self.tp.is_first:
+            try:
+                preflight(device)
+            except (ValueError, OSError) as e:  # the output file, the prompts, resume: nothing loaded yet
+                error = e
+        tpd.check_startup(error, fingerprint(cfg), self.tp)  # every rank learns rank 0's verdict
         try:
             self._setup_model()
         except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup

@@ -26,13 +26,16 @@ def sampling_params_from(cfg: dict) -> SamplingParams:
 
 class LLM:
     def __init__(self, model: str | None = None, config: str | None = None, overrides: list[str] | None = None,
-                 **options: Any) -> None:
-        """Options are config keys (see docs/configuration.md), nested as keyword dicts: kv_cache={"num_pages": 64}."""
+                 preflight: Callable[[Any], None] | None = None, **options: Any) -> None:
+        """Options are config keys (see docs/configuration.md), nested as keyword dicts: kv_cache={"num_pages": 64}.
+
+        `preflight(device)`, if given, runs on rank 0 before any rank loads weights (the command line checks
+        its output file and prompts there); a ValueError or OSError from it stops every rank at start-up."""
         if model is not None:
             options["model"] = model
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
-        self.engine = Engine(self.cfg)
+        self.engine = Engine(self.cfg, preflight)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
@@ -54,10 +57,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set[int] | frozenset = frozenset(),
-                 on_token: Callable[[Request], None] | None = None) -> list[dict] | None:
+                 on_token: Callable[[Request], None] | None = None,
+                 encoded: list[list[int] | PromptError] | None = None) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt (not skipped),
         in input order; the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on
-        rank 0 as each request completes (in completion order).
+        rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
+        already computed (the command line encodes before the weights load).
 
         If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves the
         call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
@@ -81,11 +86,13 @@ class LLM:
                 on_finish(out)
 
         try:  # the other ranks already wait for the first step: a failure here must release them
+            if encoded is not None and len(encoded) != len(prompts):
+                raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
             requests = []
             for i, prompt in enumerate(prompts):
                 if i in skip:
                     continue
-                got = self.prompts.try_encode(prompt)
+                got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
                 req = Request(i, [] if isinstance(got, PromptError) else got, params)
                 error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
                 if error is not None:  # a bad prompt gets an error line; the others still run
