@@ -1,6 +1,6 @@
 """The output file through the real CLI under torchrun: it is never an input or a special file, symlinks are
 written through, one run at a time holds it, a failed start leaves it alone, resume keeps only lines this run
-would write; workers never outlive torchrun."""
+would write; workers never outlive torchrun, and Ctrl-C keeps the finished results."""
 import json
 import os
 import shutil
@@ -175,6 +175,28 @@ def test_workers_end_soon_after_torchrun_is_killed(ckpt, tmp_path):
         assert time.time() - t0 < 5
     finally:
         kill_job(proc, pids.values())
+
+
+def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err_file:
+        proc = start_job(long_cfg(ckpt, None, n=2000, max_new_tokens=8), tmp_path, stderr=err_file)
+        try:
+            t0 = time.time()
+            while "KV cache" not in log.read_text():  # loaded: generation starts now
+                assert proc.poll() is None and time.time() - t0 < 120, log.read_text()[-3000:]
+                time.sleep(0.1)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches torchrun's group
+            stdout, _ = proc.communicate(timeout=30)
+        finally:
+            kill_job(proc)
+    err = log.read_text()
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert lines, err[-3000:]
+    assert [line["index"] for line in lines] == sorted({line["index"] for line in lines})
+    assert all(len(line["output_token_ids"]) == 8 for line in lines)
+    assert f"stopped by SIGINT: {len(lines)} finished results were printed to stdout" in err
 
 
 # ---- resume ----

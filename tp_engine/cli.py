@@ -107,15 +107,19 @@ class Preflight:
         self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
 
 
+_SINK: ResultSink | None = None  # rank 0's results, for the signal handler
+
+
 def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, quiet: bool = False) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
+    global _SINK
     preflight = Preflight(cfg, prompts, config_path)
     llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
     if not llm.rank0:
         llm.generate(prompts)
         return finish(llm, 0)
-    sink = preflight.sink
+    sink = _SINK = preflight.sink
     progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
@@ -190,13 +194,16 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
 
 
 def install_signal_handlers(rank: int) -> None:
-    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk."""
+    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
+    an output file, prints them to stdout before it exits."""
+    stopping = threading.Lock()
 
     def stop(signum, frame):
+        if not stopping.acquire(blocking=False):
+            return  # already stopping (a second Ctrl-C, or the other thread below)
         if rank == 0:
-            name = signal.Signals(signum).name
-            print(f"\nstopped by {name}: finished results are in the output file; "
-                  "run again with resume: true to continue", file=sys.stderr)
+            where = _SINK.on_stop() if _SINK is not None else "no result had finished"
+            print(f"\nstopped by {signal.Signals(signum).name}: {where}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(128 + signum)
 

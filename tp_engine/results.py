@@ -154,6 +154,18 @@ class ResultSink:
             for out in ordered:
                 print(json.dumps(out))
 
+    def on_stop(self) -> str:
+        """The run is being stopped by a signal: keep what finished, and say where it is."""
+        if self.target is not None:
+            if self.new == 0 and not self.done_indices:
+                return f"no result had finished; {self.shown} was left as it was"
+            return f"finished results are in {self.shown}; run again with resume: true to continue"
+        for i in sorted(self.results):
+            sys.stdout.write(json.dumps(self.results[i]) + "\n")
+        sys.stdout.flush()
+        return f"{len(self.results)} finished results were printed to stdout" if self.results else \
+            "no result had finished"
+
 
 def write_settings(target: Path, run: str, settings: dict) -> None:
     replace_text(settings_path(target), json.dumps({"run": run, "settings": settings}, indent=1, default=str) + "\n")
