@@ -63,7 +63,7 @@ class OutputLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.unlink(self.path)  # before unlocking: nobody can lock this file and think they own the output
+            self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
             os.close(self.fd)
             self.fd = None
 
