@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ def free_port() -> int:
 
 
 def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
-            name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
+            name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines."""
     cfg = dict(cfg)
     cfg.setdefault("output", str(tmp_path / f"{name}.jsonl"))
@@ -105,5 +106,43 @@ def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = Path(cfg["output"])
-    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if read_output and out.is_file() else []
     return proc, lines
+
+
+def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job", stderr=subprocess.PIPE):
+    """Start the CLI under torchrun in the background, detached with setsid like a job started from a shell."""
+    conf = tmp_path / f"{name}.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(script), "--config", str(conf)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+def wait_for_lines(out, n, proc, limit=120):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if out.is_file() and len(out.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("no results appeared")
+
+
+def worker_pids(launcher_pid):
+    """torchrun's workers, by RANK."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid:
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    pids[int(kv[5:])] = int(d.name)
+    return pids

@@ -36,6 +36,84 @@ def test_python_api_under_torchrun(tmp_path):
     assert [o["output_token_ids"] for o in outs] == [c["output_token_ids"] for c in cli]
 
 
+RECOVERS = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+llm = LLM(model={model!r}, device="cpu", timeout_s=20)
+params = SamplingParams(max_new_tokens=6)
+finished = []
+def on_finish(out):
+    finished.append(out["index"])
+    if len(finished) == 1:
+        raise RuntimeError("callback failed")
+caught = None
+try:
+    llm.generate({prompts!r}, params, on_finish=on_finish)
+except RuntimeError as e:
+    caught = str(e)
+again = llm.generate({prompts!r}, params)
+with open({out!r} + str(llm.tp.rank), "w") as f:
+    json.dump({{"caught": caught, "again": again}}, f)
+llm.shutdown()
+"""
+
+
+def run_script(tmp_path, text, timeout=120):
+    script = tmp_path / "user_script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(script)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(tmp_path):
+    model = make_checkpoint(tmp_path / "m")
+    out = str(tmp_path / "rank")
+    proc = run_script(tmp_path, RECOVERS.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1))
+    assert rank0["caught"] == "callback failed" and rank1 == {"caught": None, "again": None}
+    from tp_engine import LLM, SamplingParams
+    want = LLM(model=str(model), device="cpu").generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    assert [o["output_token_ids"] for o in rank0["again"]] == [w["output_token_ids"] for w in want]
+
+
+BREAKS = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams, engine
+if os.environ["RANK"] == "1":  # rank 1 fails inside a step: rank 0 waits in that step's all-reduce
+    def forward(self, batch):
+        raise RuntimeError("injected fault")
+    engine.Engine.forward = forward
+llm = LLM(model={model!r}, device="cpu", timeout_s=5)
+errors = []
+for attempt in range(2):
+    try:
+        llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
+        errors.append(None)
+    except Exception as e:
+        errors.append(f"{{type(e).__name__}}: {{e}}")
+with open({out!r} + str(llm.tp.rank), "w") as f:
+    json.dump(errors, f)
+llm.shutdown()
+os._exit(0)
+"""
+
+
+def test_failure_inside_a_step_makes_every_later_generate_refuse(tmp_path):
+    model = make_checkpoint(tmp_path / "m")
+    out = str(tmp_path / "rank")
+    proc = run_script(tmp_path, BREAKS.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        first, second = json.loads((tmp_path / f"rank{rank}").read_text())
+        assert first is not None and second is not None, (rank, first, second)
+        assert "cannot run again" in second and "out of step" in second, second
+    assert json.loads((tmp_path / "rank1").read_text())[0] == "RuntimeError: injected fault"
+
+
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
     from tp_engine.config import SCHEMA
     out = subprocess.run([sys.executable, str(GENERATE), "--help"], capture_output=True, text=True, timeout=60).stdout

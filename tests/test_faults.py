@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import GENERATE, free_port, make_checkpoint, run_cli
+from helpers import GENERATE, free_port, make_checkpoint, run_cli, start_job, wait_for_lines, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}, {"input_ids": [9, 9, 9, 9]}]
@@ -68,6 +68,7 @@ CONFIG_CASES = {
     "bad_advanced_choice": ({"advanced": {"all_reduce": "fast"}}, ["advanced.all_reduce", "auto, push, symm, nccl",
                                                                    "fast"]),
     "fused_kernels_on_cpu": ({"advanced": {"fused_kernels": "on"}}, ["advanced.fused_kernels", "CUDA only"]),
+    "seed_out_of_range": ({"seed": 2**32}, ["seed", "[0, 2**32)", "4294967296"]),
 }
 
 
@@ -154,8 +155,18 @@ def rewrite_tensors(path, change):
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
+def poison(tensors, name, value):
+    tensors[name] = tensors[name].clone()
+    tensors[name][3, 5] = value
+
+
 CKPT_CASES = {
     "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["missing", "model.layers.1.mlp.up_proj.weight"]),
+    "int8": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
+             ["model.layers.0.mlp.up_proj.weight", "dtype I8"]),
+    "bool": (lambda t: t.update({"model.norm.weight": t["model.norm.weight"] > 0}), ["model.norm.weight", "dtype BOOL"]),
+    "nan": (lambda t: poison(t, "model.layers.1.self_attn.o_proj.weight", float("nan")),
+            ["model.layers.1.self_attn.o_proj.weight", "NaN or infinite"]),
     "unexpected": (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
                    ["unexpected", "model.layers.0.mlp.extra.weight"]),
     "wrong_shape": (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64)}),
@@ -196,7 +207,8 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
                "text but no tokenizer", {"input_ids": [7] * 40}, good[1]]
     cfg = base(ckpt, prompts=prompts, max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16})
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-3000:]  # rank 0: finished, with errors
+    assert '5 of 7 prompts ended with finish_reason "error"' in proc.stderr
     assert [line["index"] for line in lines] == list(range(len(prompts)))  # one line each, in order
     reasons = [line["finish_reason"] for line in lines]
     assert reasons == ["length", "error", "error", "error", "error", "error", "length"]
@@ -207,6 +219,20 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
     assert "40 tokens" in lines[5]["error"] and "KV pool 32 tokens" in lines[5]["error"]
     _, clean = run_cli(base(ckpt, prompts=good), tmp_path, nproc=1, name="clean")
     assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == [c["output_token_ids"] for c in clean]
+
+
+def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
+    demo = ROOT / "configs" / "models" / "demo"  # has a tokenizer and a chat template
+    ok = {"messages": [{"role": "user", "content": "Hi"}]}
+    prompts = ["Alice was beginning", {"messages": "hello"}, {"messages": [{"content": "Hi"}]},
+               {"messages": [{"role": "user", "content": 5}]}, ok, {"input_ids": [1, True, 3]}]
+    cfg = {"model": str(demo), "prompts": prompts, "sampling": {"max_new_tokens": 4}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-3000:]
+    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length", "error"]
+    assert "non-empty list" in lines[1]["error"]
+    assert "'role'" in lines[2]["error"] and "'content' must be a string" in lines[3]["error"]
+    assert "input_ids" in lines[5]["error"]
 
 
 # ---- memory pressure ----
@@ -226,50 +252,12 @@ def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):
 
 # ---- nothing lost, no hangs ----
 
-def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job"):
-    conf = tmp_path / f"{name}.yaml"
-    import yaml
-    conf.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(script), "--config", str(conf)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-
-
 def long_job(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [{"input_ids": [i % 500 + 1, 2, 3]} for i in range(300)]
     cfg = base(ckpt, prompts=prompts, output=str(out), max_batch_size=2, device="cpu",
                sampling={"max_new_tokens": 40, "ignore_eos": True})
     return cfg, out
-
-
-def wait_for_lines(out, n, proc, limit=120):
-    t0 = time.time()
-    while time.time() - t0 < limit:
-        if out.is_file() and len(out.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise AssertionError("no results appeared")
-
-
-def worker_pids(launcher_pid):
-    """torchrun's workers, by RANK."""
-    pids = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (d / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid:
-            for kv in env:
-                if kv.startswith(b"RANK="):
-                    pids[int(kv[5:])] = int(d.name)
-    return pids
 
 
 def check_results_file(out, n_prompts):

@@ -9,16 +9,24 @@ import signal
 import threading
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from tp_engine import config as C
 from tp_engine.comm import StartupError
+from tp_engine.model_config import ModelConfig
+from tp_engine.output_file import OutputLock, check_target
 from tp_engine.progress import Progress, Streamer
+from tp_engine.prompts import PromptEncoder, read_prompts
+from tp_engine.results import ResultSink, read_for_resume, run_settings
+
+if TYPE_CHECKING:  # torch itself is imported only once the config is known to be good
+    import torch
 
 log = logging.getLogger("tp_engine")
 FOLLOWER_GRACE_S = 5.0
+EXIT_PROMPT_ERRORS = 3  # the other codes: 0 done, 1 a rank failed, 2 start-up error, 128+N signal N
 
 EXAMPLES = """examples:
   torchrun --nproc_per_node=2 launch/generate.py --config configs/demo.yaml
@@ -42,29 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_prompts(cfg: dict) -> list:
-    if (cfg["prompts"] is None) == (cfg["prompts_file"] is None):
-        raise C.ConfigError("give exactly one of 'prompts' (a list) and 'prompts_file' (a JSONL path)"
-                            + ("; both are set" if cfg["prompts"] is not None else "; neither is set"))
-    if cfg["prompts"] is not None:
-        return cfg["prompts"]
-    path = Path(cfg["prompts_file"])
-    if not path.is_file():
-        raise C.ConfigError(f"config key 'prompts_file': file not found: {path}")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise C.ConfigError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(item, dict) or not ({"prompt", "input_ids", "messages"} & set(item)):
-            raise C.ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
-        prompts.append(item)
-    return prompts
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -82,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     install_signal_handlers(rank)
     try:
-        return run(cfg, prompts, rank, quiet=args.quiet)
+        return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)
     except StartupError as e:
         fail(rank, str(e), 2)
         sys.stderr.flush()
@@ -90,19 +75,53 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
         import traceback
         traceback.print_exc()
-        fail(rank, f"rank {rank}: {type(e).__name__}: {e}", 1, always=True)
+        from tp_engine.comm import failure_report  # a stuck push all-reduce stops its kernel; say why
+        fail(rank, f"rank {rank}: {failure_report() or f'{type(e).__name__}: {e}'}", 1, always=True)
         sys.stderr.flush()
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
 
 
-def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
+class Preflight:
+    """Rank 0's start-up work that needs no weights: the output file (checks, lock, resume) and the prompts'
+    ids. The engine runs it before any rank loads a weight, and every rank stops if it fails."""
+
+    def __init__(self, cfg: dict, prompts: list, config_path: str | None) -> None:
+        self.cfg, self.prompts, self.config_path = cfg, prompts, config_path
+        self.lock: OutputLock | None = None
+        self.encoded: list = []
+        self.sink: ResultSink | None = None
+
+    def __call__(self, device: torch.device) -> None:
+        from tp_engine.engine import auto_dtype  # torch is loaded by now
+
+        cfg, target, shown = self.cfg, None, self.cfg["output"]
+        if shown:
+            target = check_target(shown, {"config file": self.config_path, "prompts_file": cfg["prompts_file"]},
+                                  cfg["model"])
+            self.lock = OutputLock(target, shown)
+        encoder = PromptEncoder.from_config(cfg)
+        self.encoded = encoder.encode_all(self.prompts)
+        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(ModelConfig.from_dir(cfg["model"]), device)
+        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")))
+        done, retry = {}, []
+        if target is not None and cfg["resume"] and target.exists():
+            done, retry = read_for_resume(target, shown, self.encoded, settings)
+        self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
+
+
+_SINK: ResultSink | None = None  # rank 0's results, for the signal handler
+
+
+def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, quiet: bool = False) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
-    llm = LLM(**cfg)
+    global _SINK
+    preflight = Preflight(cfg, prompts, config_path)
+    llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
     if not llm.rank0:
         llm.generate(prompts)
         return finish(llm, 0)
-    sink = ResultSink(cfg["output"], cfg["resume"], len(prompts), llm.decode if llm.tokenizer else None)
+    sink = _SINK = preflight.sink
     progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
@@ -123,18 +142,25 @@ def run(cfg: dict, prompts: list, rank: int, quiet: bool = False) -> int:
             streamer.update(out["output_token_ids"], final=True)
 
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token)
+    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token,
+                           encoded=preflight.encoded)
     seconds = time.perf_counter() - t0
     sink.close()
+    if preflight.lock is not None:
+        preflight.lock.release()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
+    errors = sum(o["finish_reason"] == "error" for o in outputs)
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
-               "output_tokens": n_out, "errors": sum(o["finish_reason"] == "error" for o in outputs),
+               "output_tokens": n_out, "errors": errors,
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
         summary["preempted"] = llm.engine.num_preempted
     if sink.done_indices:
         summary["resumed_skipped"] = len(sink.done_indices)
     print("summary: " + json.dumps(summary), file=sys.stderr)
+    if errors:  # finished, but not every prompt has a result: say so in the exit status (see troubleshooting.md)
+        return finish(llm, fail(0, f"{errors} of {len(outputs)} prompts ended with finish_reason \"error\" "
+                                   "(the reason is in their \"error\" field)", EXIT_PROMPT_ERRORS))
     return finish(llm, 0)
 
 
@@ -148,65 +174,6 @@ def finish(llm, code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-class ResultSink:
-    """Rank 0's results. With an output file, each result is appended and flushed the moment its request
-    finishes (a crash loses only requests in flight); at the end the file is rewritten in input order."""
-
-    def __init__(self, path: str | None, resume: bool, num_prompts: int, decode=None) -> None:
-        self.path, self.decode = (Path(path) if path else None), decode
-        self.results: dict[int, dict] = {}
-        if self.path and resume and self.path.is_file():
-            self.results = read_results(self.path, num_prompts)
-        self.done_indices = set(self.results)
-        self.file = None
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_jsonl(self.path, [self.results[i] for i in sorted(self.results)])  # drops a torn last line
-            self.file = self.path.open("a")
-
-    def add(self, out: dict) -> None:
-        self.results[out["index"]] = out
-        if self.file:
-            self.file.write(json.dumps(out) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        ordered = [self.results[i] for i in sorted(self.results)]
-        if self.file:
-            self.file.close()
-            write_jsonl(self.path, ordered)
-        elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
-            for out in ordered:
-                head = f"[{out['index']}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
-                body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
-                print(f"\033[2m{head}\033[0m\n{body}\n")
-        else:
-            for out in ordered:
-                print(json.dumps(out))
-
-
-def read_results(path: Path, num_prompts: int) -> dict[int, dict]:
-    """Results already in `path` (for resume); a line cut short by a crash is ignored."""
-    found = {}
-    for line in path.read_text().splitlines():
-        try:
-            out = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(out, dict) and isinstance(out.get("index"), int) and 0 <= out["index"] < num_prompts:
-            found[out["index"]] = out
-    return found
-
-
-def write_jsonl(path: Path, outputs: list[dict]) -> None:
-    """Write atomically: a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for out in outputs:
-            f.write(json.dumps(out) + "\n")
-    os.replace(tmp, path)
 
 
 def fail(rank: int, message: str, code: int, always: bool = False) -> int:
@@ -229,13 +196,16 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
 
 
 def install_signal_handlers(rank: int) -> None:
-    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk."""
+    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
+    an output file, prints them to stdout before it exits."""
+    stopping = threading.Lock()
 
     def stop(signum, frame):
+        if not stopping.acquire(blocking=False):
+            return  # already stopping (a second Ctrl-C, or the other thread below)
         if rank == 0:
-            name = signal.Signals(signum).name
-            print(f"\nstopped by {name}: finished results are in the output file; "
-                  "run again with resume: true to continue", file=sys.stderr)
+            where = _SINK.on_stop() if _SINK is not None else "no result had finished"
+            print(f"\nstopped by {signal.Signals(signum).name}: {where}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(128 + signum)
 

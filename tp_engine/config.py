@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from tp_engine.textio import decode_utf8
+
 
 class ConfigError(ValueError):
     """A problem with the user's configuration; the message names the key."""
@@ -44,6 +46,10 @@ def _fraction(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
+def _seed(v):
+    return None if 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
+
+
 def _id_list(v):
     return None if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v) else "must be a list of non-negative integers"
 
@@ -52,6 +58,7 @@ def _str_list(v):
     return None if all(isinstance(x, str) and x for x in v) else "must be a list of non-empty strings"
 
 
+SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
 SCHEMA: dict[str, Key] = {
@@ -59,7 +66,7 @@ SCHEMA: dict[str, Key] = {
     "load_format": Key(_STR, "auto", "auto: safetensors from `model`; dummy: random weights from config.json alone", ("auto", "dummy")),
     "dtype": Key(_STR, "auto", "weights and activations; auto = bfloat16 on CUDA, float32 on CPU", ("auto", "float32", "float16", "bfloat16")),
     "device": Key(_STR, "auto", "auto = cuda if available, else cpu", ("auto", "cpu", "cuda")),
-    "seed": Key(_INT, 0, "seed for sampling and dummy weights"),
+    "seed": Key(_INT, 0, "seed for sampling and dummy weights, 0 <= seed < 2**32", check=_seed),
     "attention_backend": Key(_STR, "auto", "auto = flashinfer on CUDA, torch on CPU", ("auto", "flashinfer", "torch")),
     "cuda_graph": Key(_BOOL, True, "capture decode steps in CUDA graphs (CUDA only)"),
     "cuda_graph_max_batch": Key(_INT, 256, "largest decode batch captured in a CUDA graph", check=_positive),
@@ -147,7 +154,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(decode_utf8(p.read_bytes(), str(p), ConfigError)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -178,19 +185,24 @@ def get(cfg: dict, dotted: str) -> Any:
     return cfg
 
 
+def check_value(name: str, key: Key, v: Any) -> None:
+    """One value against its key's type, choices and range. `name` starts the message: "config key 'seed'" for
+    the config, "SamplingParams.seed" for the Python API, so both say the same thing about the same value."""
+    if isinstance(v, bool) and bool not in key.type:
+        raise ConfigError(f"{name} must be {_type_name(key.type)}, got {v!r}")
+    if not isinstance(v, key.type):
+        raise ConfigError(f"{name} must be {_type_name(key.type)}, got {v!r} ({type(v).__name__})")
+    if key.choices and v not in key.choices:
+        raise ConfigError(f"{name} must be one of {', '.join(key.choices)}; got {v!r}")
+    if key.check and v is not None:
+        err = key.check(v)
+        if err:
+            raise ConfigError(f"{name} {err}; got {v!r}")
+
+
 def validate(cfg: dict) -> None:
     for dotted, key in SCHEMA.items():
-        v = get(cfg, dotted)
-        if isinstance(v, bool) and bool not in key.type:
-            raise ConfigError(f"config key '{dotted}' must be {_type_name(key.type)}, got {v!r}")
-        if not isinstance(v, key.type):
-            raise ConfigError(f"config key '{dotted}' must be {_type_name(key.type)}, got {v!r} ({type(v).__name__})")
-        if key.choices and v not in key.choices:
-            raise ConfigError(f"config key '{dotted}' must be one of {', '.join(key.choices)}; got {v!r}")
-        if key.check and v is not None:
-            err = key.check(v)
-            if err:
-                raise ConfigError(f"config key '{dotted}' {err}; got {v!r}")
+        check_value(f"config key '{dotted}'", key, get(cfg, dotted))
     if not cfg["model"]:
         raise ConfigError("config key 'model' is required: the checkpoint directory")
     if not Path(cfg["model"]).is_dir():

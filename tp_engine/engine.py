@@ -7,6 +7,7 @@ k's tokens reach the host: the host's work for one step overlaps the GPU's work 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -60,8 +61,10 @@ def check_backend(name: str, device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, preflight: Callable[[torch.device], None] | None = None) -> None:
+        """`preflight(device)` runs on rank 0 before any rank loads weights; see LLM."""
         self.cfg = cfg
+        self.broken: str | None = None  # why the ranks may be out of step (see check_usable)
         try:
             device = comm.pick_device(cfg["device"])
         except ValueError as e:  # the same on every rank: each exits, rank 0 says why
@@ -69,6 +72,12 @@ class Engine:
         self.tp = comm.init_distributed(device, cfg["timeout_s"], cfg["advanced"]["step_channel"])
         self.device = device
         error, ops = None, None
+        if preflight is not None and self.tp.is_first:
+            try:
+                preflight(device)
+            except (ValueError, OSError) as e:  # the output file, the prompts, resume: nothing loaded yet
+                error = e
+        comm.check_startup(error, fingerprint(cfg), self.tp)  # every rank learns rank 0's verdict
         try:
             self._setup_model()
             ops = kernels.select(device, cfg["advanced"]["fused_kernels"])
@@ -189,9 +198,26 @@ class Engine:
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
-        while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device)) is not None:
-            self.forward(batch)
-            self.share_tokens(None, batch.size)
+        with self._shared_step():
+            while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device)) is not None:
+                self.forward(batch)
+                self.share_tokens(None, batch.size)
+
+    # ---- keeping the ranks in step across failures ----
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"this engine cannot run again: an earlier call failed inside a step the ranks share "
+                               f"({self.broken}), so the ranks may be out of step; start a new job")
+
+    @contextlib.contextmanager
+    def _shared_step(self):
+        """Work that involves the other ranks: a failure inside it leaves them in an unknown state."""
+        try:
+            yield
+        except BaseException as e:
+            self.broken = self.broken or f"rank {self.tp.rank}: {type(e).__name__}: {e}"
+            raise
 
     # ---- the generation loop, on rank 0 ----
 
@@ -206,25 +232,36 @@ class Engine:
 
         `on_token(req)` may return True to end a request early (stop strings).
         """
-        sched = self.new_scheduler()
-        for r in requests:
-            sched.add(r)
-        inflight: Issued | None = None
-        while sched.has_work():
-            plan = sched.schedule()
-            if not plan.reqs and inflight is None:
-                raise RuntimeError("scheduler found no step to run")  # a bug, not a user error: never spin
-            issued = self.issue(sched, plan) if plan.reqs else None
-            if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
-                self.take_tokens(sched, inflight, on_token, on_finish)
-            inflight = issued
+        try:
+            sched = self.new_scheduler()
+            for r in requests:
+                sched.add(r)
+            inflight: Issued | None = None
+            while sched.has_work():
+                plan = sched.schedule()
+                if not plan.reqs and inflight is None:
+                    raise RuntimeError("scheduler found no step to run")  # a bug, not a user error: never spin
+                if plan.reqs:
+                    with self._shared_step():
+                        issued = self.issue(sched, plan)
+                else:
+                    issued = None
+                if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
+                    self.take_tokens(sched, inflight, on_token, on_finish)
+                inflight = issued
+        except BaseException:
+            # Raised between steps (a callback, the scheduler): the other ranks are done with every step
+            # issued so far, so the stop message brings all of them back, in step, before this one re-raises.
+            if self.broken is None:
+                self.release_followers()
+            raise
         self.num_preempted = sched.num_preempted
-        # Only after a clean finish: after an error, rank 0 exits and torchrun stops the others.
         self.release_followers()
 
     def release_followers(self) -> None:
         if self.tp.size > 1:
-            comm.broadcast_ints(stop_message(), self.tp)
+            with self._shared_step():
+                comm.broadcast_ints(stop_message(), self.tp)
 
     def issue(self, sched: Scheduler, plan: Plan) -> Issued:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;

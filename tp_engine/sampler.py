@@ -6,15 +6,20 @@ preemption, on the TP size or on the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from tp_engine.config import SCHEMA, check_value
 
 _M32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingParams:
+    """The `sampling` keys of the config, and `seed`; checked by the same rules as the config
+    (config.SCHEMA), with the same messages. `stop` may be one string."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -25,14 +30,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):  # one stop string, not one per character
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) for a value the config would refuse; generate() calls it again on
+        every rank, since the fields may have been changed after construction."""
+        for f in fields(self):
+            key = "seed" if f.name == "seed" else f"sampling.{f.name}"
+            check_value(f"SamplingParams.{f.name}", SCHEMA[key], getattr(self, f.name))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,249 @@
+"""The output file through the real CLI under torchrun: it is never an input or a special file, symlinks are
+written through, one run at a time holds it, a failed start leaves it alone, resume keeps only lines this run
+would write; workers never outlive torchrun, and Ctrl-C keeps the finished results."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import GENERATE, ROOT, make_checkpoint, run_cli, start_job, wait_for_lines, worker_pids
+
+PROMPTS = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}, {"input_ids": [9, 9, 9, 9]}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("output") / "m")
+
+
+def base(ckpt, **kw):
+    return {"model": str(ckpt), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}, "device": "cpu", **kw}
+
+
+def long_cfg(ckpt, out, n=300, max_new_tokens=40):
+    """A job that runs for a while, two requests at a time."""
+    prompts = [{"input_ids": [i % 500 + 1, 2, 3]} for i in range(n)]
+    return base(ckpt, prompts=prompts, output=str(out) if out else None, max_batch_size=2,
+                sampling={"max_new_tokens": max_new_tokens, "ignore_eos": True})
+
+
+def refused(proc, *needles):
+    """Stopped at start-up with one message, before any rank loaded its weights."""
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    errs = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errs) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errs[0], errs[0]
+    assert "KV cache" not in proc.stderr  # logged once the weights are in
+    return errs[0]
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_job(proc, pids=()):
+    """torchrun and its workers: torchrun detaches them with setsid, so killing torchrun's group is not enough."""
+    pids = list(pids) + (list(worker_pids(proc.pid).values()) if proc.poll() is None else [])
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---- what the output may be ----
+
+@pytest.mark.parametrize("case", ["config_file", "prompts_file", "model_file", "symlink_to_device", "fifo"])
+def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
+    cfg, nproc = base(ckpt), 1
+    if case == "config_file":  # run_cli writes the config to run.yaml
+        cfg["output"], nproc, needles = str(tmp_path / "run.yaml"), 2, ["config file"]
+    elif case == "prompts_file":
+        pf = tmp_path / "prompts.jsonl"
+        pf.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+        del cfg["prompts"]
+        cfg.update(prompts_file=str(pf), output=str(pf))
+        needles = ["prompts_file"]
+    elif case == "model_file":
+        model = tmp_path / "model"
+        shutil.copytree(ckpt, model)
+        cfg.update(model=str(model), output=str(model / "model.safetensors"))
+        needles = ["inside the model directory"]
+    elif case == "symlink_to_device":
+        (tmp_path / "out.jsonl").symlink_to("/dev/null")
+        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file", "/dev/null"]
+    else:
+        os.mkfifo(tmp_path / "out.jsonl")
+        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file"]
+    target = Path(cfg["output"])
+    before = target.read_bytes() if target.is_file() else None
+    proc, _ = run_cli(cfg, tmp_path, nproc=nproc, read_output=False)
+    refused(proc, cfg["output"], *needles)
+    if case == "config_file":
+        assert yaml.safe_load(target.read_text())["output"] == str(target)
+    elif case == "symlink_to_device":
+        assert target.is_symlink() and os.readlink(target) == "/dev/null"
+    elif case == "fifo":
+        assert target.is_fifo()
+    else:
+        assert target.read_bytes() == before
+
+
+def test_symlinked_output_is_written_through(ckpt, tmp_path):
+    real = tmp_path / "results" / "real.jsonl"
+    real.parent.mkdir()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    proc, lines = run_cli(base(ckpt, output=str(link)), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert link.is_symlink() and [line["index"] for line in lines] == [0, 1, 2]
+    # next to the target: the results and their settings; no lock or temporary file left behind
+    assert sorted(p.name for p in real.parent.iterdir()) == ["real.jsonl", "real.jsonl.run.json"]
+
+
+FAILS_AT_FIRST_STEP = """
+import sys
+sys.path.insert(0, {root!r})
+from tp_engine import engine
+def forward(self, batch):
+    raise RuntimeError("injected fault")
+engine.Engine.forward = forward
+from tp_engine.cli import main
+sys.exit(main())
+"""
+
+
+def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "from": "an earlier run"}\n')
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_AT_FIRST_STEP.format(root=str(ROOT)))
+    proc = start_job(base(ckpt, output=str(out)), tmp_path, nproc=1, script=script)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "injected fault" in err, err[-3000:]
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+
+
+# ---- one run at a time, and never after torchrun ----
+
+def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = start_job(long_cfg(ckpt, out), tmp_path)
+    try:
+        wait_for_lines(out, 1, first)
+        holder = worker_pids(first.pid)[0]
+        proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, name="second")
+        # at start-up, without waiting for the lock: before any weights load
+        refused(proc, str(out), "in use by another run", f"(pid {holder})")
+        n = len(out.read_text().splitlines())
+        wait_for_lines(out, n + 1, first)  # the first run still writes, to its own file
+        assert all(len(line["output_token_ids"]) == 40 for line in read_lines(out)[:n])
+    finally:
+        kill_job(first)
+
+
+def test_workers_end_soon_after_torchrun_is_killed(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = start_job(long_cfg(ckpt, out), tmp_path)
+    pids = {}
+    try:
+        wait_for_lines(out, 1, proc)
+        pids = worker_pids(proc.pid)
+        assert len(pids) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.time()
+        while any(alive(p) for p in pids.values()) and time.time() - t0 < 15:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in pids.values()), "workers outlived torchrun"
+        assert time.time() - t0 < 5
+    finally:
+        kill_job(proc, pids.values())
+
+
+def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err_file:
+        proc = start_job(long_cfg(ckpt, None, n=2000, max_new_tokens=8), tmp_path, stderr=err_file)
+        try:
+            t0 = time.time()
+            while "KV cache" not in log.read_text():  # loaded: generation starts now
+                assert proc.poll() is None and time.time() - t0 < 120, log.read_text()[-3000:]
+                time.sleep(0.1)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches torchrun's group
+            stdout, _ = proc.communicate(timeout=30)
+        finally:
+            kill_job(proc)
+    err = log.read_text()
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert lines, err[-3000:]
+    assert [line["index"] for line in lines] == sorted({line["index"] for line in lines})
+    assert all(len(line["output_token_ids"]) == 8 for line in lines)
+    assert f"stopped by SIGINT: {len(lines)} finished results were printed to stdout" in err
+
+
+# ---- resume ----
+
+@pytest.fixture(scope="module")
+def finished(ckpt, tmp_path_factory):
+    """The output of a finished sampled run at TP 2, and its config."""
+    tmp = tmp_path_factory.mktemp("finished")
+    cfg = base(ckpt, output=str(tmp / "out.jsonl"), seed=1, sampling={"max_new_tokens": 8, "temperature": 0.7})
+    proc, lines = run_cli(cfg, tmp, nproc=2)
+    assert proc.returncode == 0 and len(lines) == 3, proc.stderr[-3000:]
+    return cfg, Path(cfg["output"])
+
+
+RESUME_CASES = {
+    "sampling": ({"sampling": {"max_new_tokens": 8, "temperature": 0.0}},
+                 ["sampling.temperature=0.7, now 0.0", "3 of 3 lines"]),
+    "prompt_changed": ({"prompts": [PROMPTS[0], {"input_ids": [1, 2, 4]}, PROMPTS[2]]},
+                       ["line 2: prompt 1", "1 of 3 lines"]),
+    "fewer_prompts": ({"prompts": PROMPTS[:2]}, ["line 3 is the result of prompt 2", "2 prompts"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_refuses_lines_this_run_would_not_write(finished, tmp_path, case):
+    cfg, out = finished
+    before = out.read_bytes()
+    change, needles = RESUME_CASES[case]
+    proc, _ = run_cli({**cfg, **change, "resume": True}, tmp_path)
+    refused(proc, f"resume: {out}", "resume: false", *needles)
+    assert out.read_bytes() == before  # nothing deleted, nothing mixed in
+
+
+def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_path):
+    out = tmp_path / "out.jsonl"
+    prompts = [PROMPTS[0], {"input_ids": [7] * 40}, PROMPTS[1]]  # 40 tokens do not fit a pool of 32
+    cfg = base(ckpt, prompts=prompts, output=str(out), max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16})
+    conf = tmp_path / "small_pool.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, str(GENERATE), "--config", str(conf)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 3, proc.stderr[-3000:]  # finished, but a prompt has no result
+    assert '1 of 3 prompts ended with finish_reason "error"' in proc.stderr
+    first = read_lines(out)
+    assert [line["finish_reason"] for line in first] == ["length", "error", "length"]
+    proc, lines = run_cli({**cfg, "resume": True, "kv_cache": {"num_pages": 8, "page_size": 16}}, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line["finish_reason"] for line in lines] == ["length"] * 3
+    assert (lines[0], lines[2]) == (first[0], first[2])  # finished lines are kept as they were
+    assert json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])["resumed_skipped"] == 2

@@ -1,0 +1,97 @@
+"""The output file belongs to one run: checked before anything loads, locked for the whole run, and only
+ever replaced atomically (from a temporary file private to the run) or appended to."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from tp_engine.config import ConfigError
+
+
+def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> Path:
+    """The file `output` names, with symlinks resolved: results are written there, so a symlink stays one.
+
+    Refused: a file the run reads (`inputs`: what it is -> path), anything inside the model directory, and
+    an existing path that is not a regular file (a device, a FIFO, a directory)."""
+    target = Path(os.path.realpath(output))
+    for what, path in inputs.items():
+        if path is not None and Path(os.path.realpath(path)) == target:
+            raise ConfigError(f"output {output} is the {what}; results would overwrite it. Choose another output")
+    model = Path(os.path.realpath(model_dir))
+    if target.is_relative_to(model):
+        raise ConfigError(f"output {output} is inside the model directory {model_dir}; choose another output")
+    if os.path.lexists(target):
+        mode = os.stat(target).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"output {output} is {kind}" + (f" ({target})" if str(target) != output else "")
+                              + "; it must be a regular file (or a symlink to one)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+class OutputLock:
+    """An exclusive lock on `<target>.lock`, held until release() or until the process ends (even by kill -9:
+    the kernel drops it), so two runs can never write the same output. The file holds the holder's pid."""
+
+    def __init__(self, target: Path, shown: str) -> None:
+        self.path = target.with_name(target.name + ".lock")
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ConfigError(f"output {shown} is in use by another run (pid {holder})") from None
+            # A run that just ended removes its lock file; if that happened after our open, we hold a lock on a
+            # file nobody else can see: take the one on disk instead.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
+            os.close(self.fd)
+            self.fd = None
+
+
+def write_lines(target: Path, records: Iterable[dict]) -> None:
+    """Replace `target` with one JSON line per record (see replace_text)."""
+    replace_text(target, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def replace_text(target: Path, text: str) -> None:
+    """Replace `target` atomically: a reader (or a crash) never sees half a file. The temporary file is
+    private to this run and lives next to the target (os.replace needs one file system)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), _mode_for(target))
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _mode_for(target: Path) -> int:
+    """Keep an existing file's permissions; a new one gets what open() would give it (mkstemp's are 0600)."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask

@@ -1,0 +1,159 @@
+"""Prompts: reading them from the config, and turning each into token ids on rank 0.
+
+Encoding needs only the config and the checkpoint's tokenizer files, so the command line can encode (and
+check a resumed output file against the ids) before any rank loads a weight. A failure in one prompt, of
+whatever kind, becomes that prompt's error; the other prompts go on.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from tp_engine.config import ConfigError
+from tp_engine.textio import jsonl_lines, read_utf8
+
+Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
+PROMPT_KEYS = ("prompt", "input_ids", "messages")
+
+
+class PromptError(ValueError):
+    """What is wrong with one prompt; it becomes the prompt's output line with finish_reason "error"."""
+
+
+def read_prompts(cfg: dict) -> list[Prompt]:
+    """The config's `prompts` list, or the objects of its `prompts_file` (JSONL, UTF-8)."""
+    if (cfg["prompts"] is None) == (cfg["prompts_file"] is None):
+        raise ConfigError("give exactly one of 'prompts' (a list) and 'prompts_file' (a JSONL path)"
+                          + ("; both are set" if cfg["prompts"] is not None else "; neither is set"))
+    if cfg["prompts"] is not None:
+        return cfg["prompts"]
+    path = Path(cfg["prompts_file"])
+    if not path.is_file():
+        raise ConfigError(f"config key 'prompts_file': file not found: {path}")
+    prompts = []
+    for n, line in enumerate(jsonl_lines(read_utf8(path, ConfigError)), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
+            raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
+        prompts.append(item)
+    return prompts
+
+
+def as_list(prompts: Any) -> list[Prompt]:
+    """generate()'s argument as a list: one prompt (a string, a list of token ids or a dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list):
+        return [prompts] if prompts and all(_is_id(t) for t in prompts) else prompts
+    raise TypeError("prompts must be a prompt (a string, a list of token ids or a dict) or a list of prompts; "
+                    f"got {type(prompts).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def load_tokenizer(model_dir: str):
+    """The checkpoint's own tokenizer, offline, loaded once per process; (None, reason) when there is none."""
+    root = Path(model_dir)
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None, "no tokenizer files"
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True), None
+    except Exception as e:  # a broken tokenizer should not stop token-id prompts
+        return None, f"tokenizer failed to load: {e}"
+
+
+class PromptEncoder:
+    """Prompt -> token ids, for the checkpoint `model_dir` with the config's chat settings."""
+
+    def __init__(self, model_dir: str, chat: bool = False, chat_template_kwargs: dict | None = None) -> None:
+        self.model_dir, self.chat, self.chat_kwargs = model_dir, chat, dict(chat_template_kwargs or {})
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "PromptEncoder":
+        return cls(cfg["model"], cfg["chat"], cfg["chat_template_kwargs"])
+
+    @property
+    def tokenizer(self):
+        return load_tokenizer(self.model_dir)[0]
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_all(self, prompts: list[Prompt]) -> list[list[int] | PromptError]:
+        return [self.try_encode(p) for p in prompts]
+
+    def try_encode(self, prompt: Prompt) -> list[int] | PromptError:
+        """The ids of `prompt`, or the PromptError that says why it has none."""
+        try:
+            return self.encode(prompt)
+        except PromptError as e:
+            return e
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The ids of one prompt; any failure (the tokenizer's, the chat template's) is raised as PromptError."""
+        try:
+            return self._encode(prompt)
+        except PromptError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever a template or tokenizer raises concerns this prompt only
+            raise PromptError(f"cannot encode the prompt: {type(e).__name__}: {e}") from None
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "input_ids" in prompt:
+                ids = prompt["input_ids"]
+                if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
+                    raise PromptError("input_ids must be a list of integers")
+                return ids
+            if "messages" in prompt:
+                return self._apply_chat(_checked_messages(prompt["messages"]))
+            if "prompt" not in prompt:
+                raise PromptError(f"a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys {sorted(prompt)}")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list) and all(_is_id(i) for i in prompt):
+            return prompt
+        if not isinstance(prompt, str):
+            raise PromptError(f"a prompt must be a string, a list of token ids or an object; got {type(prompt).__name__}")
+        if self.chat:
+            return self._apply_chat([{"role": "user", "content": prompt}])
+        return self._need_tokenizer().encode(prompt, add_special_tokens=False)
+
+    def _need_tokenizer(self):
+        tok, reason = load_tokenizer(self.model_dir)
+        if tok is None:
+            raise PromptError(f"text prompts need tokenizer files in {self.model_dir} ({reason}); "
+                              "give {\"input_ids\": [...]} instead")
+        return tok
+
+    def _apply_chat(self, messages: list[dict]) -> list[int]:
+        tok = self._need_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise PromptError(f"chat prompts need a chat template in {self.model_dir}/tokenizer_config.json")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
+        return tok.encode(text, add_special_tokens=False)
+
+
+def _checked_messages(messages: Any) -> list[dict]:
+    """A chat template indexes messages without checks: a string or a message without a role would fail inside
+    it with an obscure error, or quietly render something else."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise PromptError(f"message {n} must be an object with 'role' and 'content'; got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise PromptError(f"message {n} needs a 'role' string (user, assistant, system, ...)")
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            raise PromptError(f"message {n}: 'content' must be a string; got {type(m['content']).__name__}")
+    return messages
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)

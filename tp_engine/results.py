@@ -1,0 +1,171 @@
+"""Rank 0's results: what the output lines were produced from, resuming from them, and writing them.
+
+Every line carries `run`, a short hash of the settings that decide its tokens (`run_settings`); the settings
+themselves are kept next to the output in `<output>.run.json`, so that a refused resume can say what changed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from tp_engine.config import SCHEMA, ConfigError
+from tp_engine.output_file import replace_text, write_lines
+
+TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
+
+
+def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
+    """Everything that decides a prompt's output tokens. `dtype` is the one in use (`auto` resolved)."""
+    model = Path(cfg["model"]).resolve()
+    settings = {"model": str(model), "dtype": dtype}
+    for name in ("config.json", "generation_config.json"):
+        f = model / name
+        settings[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
+    settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
+    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()})
+    for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
+        if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
+            settings[k] = float(v)
+    if cfg["load_format"] == "dummy":
+        settings["tp_size"] = tp_size  # dummy weights are drawn per rank
+    return settings
+
+
+def run_id(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def settings_path(target: Path) -> Path:
+    return target.with_name(target.name + ".run.json")
+
+
+def read_for_resume(target: Path, shown: str, encoded: list, settings: dict) -> tuple[dict[int, dict], list[dict]]:
+    """(finished lines to keep, by index; error lines, kept until their prompt has run again).
+
+    A finished line is kept only if this run would write it: its index is in the prompt list, its
+    prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error lines are always retried.
+    Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
+    lines = target.read_bytes().split(b"\n")
+    lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash
+    done: dict[int, dict] = {}
+    retry: list[dict] = []
+    problems: list[str] = []
+    this_run, saved = run_id(settings), _saved_settings(target)
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            out = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            out = None
+        if not (isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list)):
+            problems.append(f"line {n} is not a result line")
+            continue
+        i = out["index"]
+        if out.get("finish_reason") == "error":
+            if 0 <= i < len(encoded):
+                retry.append(out)
+        elif not 0 <= i < len(encoded):
+            problems.append(f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
+        elif out.get("run") != this_run:
+            problems.append(_settings_change(saved, out.get("run"), settings, n))
+        elif isinstance(encoded[i], Exception):
+            problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
+        elif out["prompt_token_ids"] != encoded[i]:
+            problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
+        else:
+            done[i] = out
+    if problems:
+        count = f"{len(problems)} of {len(problems) + len(done) + len(retry)} lines differ"
+        raise ConfigError(f"resume: {shown}: {problems[0]} ({count}); nothing was changed. Use a new output, "
+                          "or resume: false to replace it")
+    return done, [r for r in retry if r["index"] not in done]
+
+
+def _saved_settings(target: Path) -> dict:
+    try:
+        saved = json.loads(settings_path(target).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _settings_change(saved: dict, line_run, settings: dict, n: int) -> str:
+    """What differs between the settings `line_run` was produced with (`saved`, from <output>.run.json) and
+    the current ones, by key."""
+    if line_run is None:
+        return f"line {n} has no run record (written by an older version)"
+    if saved.get("run") != line_run or not isinstance(saved.get("settings"), dict):
+        return f"line {n} was produced with other settings (run {line_run}, now {run_id(settings)})"
+    old = saved["settings"]
+    changes = [f"{k}={json.dumps(old.get(k))}, now {json.dumps(settings.get(k))}"
+               for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+    return "it was produced with " + "; ".join(changes)
+
+
+class ResultSink:
+    """Rank 0's results. With an output file, the file is left as it is until this run's first result exists;
+    then it is replaced by the lines kept for resume plus that result, and each later result is appended and
+    flushed the moment its request finishes (a crash loses only requests in flight). At the end the file is
+    rewritten in input order."""
+
+    def __init__(self, target: Path | None, shown: str | None, settings: dict, done: dict[int, dict] | None = None,
+                 retry: list[dict] | None = None, decode: Callable[[list[int]], str | None] | None = None) -> None:
+        self.target, self.shown, self.settings, self.decode = target, shown, settings, decode
+        self.run = run_id(settings)
+        self.results: dict[int, dict] = dict(done or {})
+        self.done_indices = set(self.results)
+        self.retry = list(retry or [])
+        self.new = 0
+        self.file = None
+
+    def add(self, out: dict) -> None:
+        out = {**out, "run": self.run}
+        self.results[out["index"]] = out
+        self.new += 1
+        if self.target is None:
+            return
+        if self.file is None:  # the first result of this run: only now may the old file go
+            kept = [self.results[i] for i in sorted(self.done_indices)]
+            write_settings(self.target, self.run, self.settings)
+            write_lines(self.target, kept + self.retry + [out])
+            self.file = self.target.open("a", encoding="utf-8")
+        else:
+            self.file.write(json.dumps(out) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        ordered = [self.results[i] for i in sorted(self.results)]
+        if self.target is not None:
+            if self.file is not None:
+                self.file.close()
+            else:
+                write_settings(self.target, self.run, self.settings)
+            write_lines(self.target, ordered)
+        elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
+            for out in ordered:
+                head = f"[{out['index']}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
+                body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
+                print(f"\033[2m{head}\033[0m\n{body}\n")
+        else:
+            for out in ordered:
+                print(json.dumps(out))
+
+    def on_stop(self) -> str:
+        """The run is being stopped by a signal: keep what finished, and say where it is."""
+        if self.target is not None:
+            if self.new == 0 and not self.done_indices:
+                return f"no result had finished; {self.shown} was left as it was"
+            return f"finished results are in {self.shown}; run again with resume: true to continue"
+        for i in sorted(self.results):
+            sys.stdout.write(json.dumps(self.results[i]) + "\n")
+        sys.stdout.flush()
+        return f"{len(self.results)} finished results were printed to stdout" if self.results else \
+            "no result had finished"
+
+
+def write_settings(target: Path, run: str, settings: dict) -> None:
+    replace_text(settings_path(target), json.dumps({"run": run, "settings": settings}, indent=1, default=str) + "\n")

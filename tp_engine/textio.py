@@ -1,0 +1,29 @@
+"""Reading the user's text files: UTF-8 with an error that names the file, line and column; JSONL split on
+newlines only."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) -> str:
+    """`data` as text; `error` names `where`, the line and the column of the first byte that is not UTF-8."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise error(f"{where} line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column})") from None
+    return text.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the content
+
+
+def read_utf8(path: str | Path, error: type[Exception] = ValueError) -> str:
+    return decode_utf8(Path(path).read_bytes(), str(path), error)
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text. Only "\\n" ends a line: `str.splitlines()` also splits on U+2028 and other
+    characters that JSON strings may hold raw. A "\\r" before it (Windows line ends) is dropped."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
