@@ -99,7 +99,9 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue  # derived or duplicated tensors some checkpoints carry
                     if name not in targets:
-                        raise CheckpointError(f"unexpected tensor '{name}' in {file.name}")
+                        hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
+                                if name.endswith(".weight_scale_inv") else "")
+                        raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
                     pname, shard = targets[name]
                     param = params[pname]
                     loader = getattr(param, "weight_loader", default_loader)
@@ -122,7 +124,9 @@ def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights of the right shapes (benchmarks of public model shapes without a download)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() == 1:
+        if hasattr(p, "dummy_init"):  # not a plain float tensor (layers/fp8.py): it fills itself
+            p.dummy_init(p, gen)
+        elif p.dim() == 1:
             p.data.fill_(1.0) if "norm" in name else p.data.zero_()
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
