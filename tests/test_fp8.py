@@ -290,3 +290,27 @@ def test_modules_to_not_convert_and_dummy_weights(ckpts, tmp_path):
         out = llm.generate([{"input_ids": PROMPTS[0]}])[0]
         assert len(out["output_token_ids"]) == 4
         llm.shutdown()
+
+
+def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
+    """launch/bench.py --weights bf16,fp8 in one call (on CPU, tiny shapes): an FP8 checkpoint in Qwen's format
+    written from the config's shapes, both formats measured."""
+    import subprocess
+    model = tmp_path / "shapes"
+    model.mkdir()
+    shutil.copy(ckpts["src"] / "config.json", model / "config.json")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(model), "--weights", "bf16,fp8",
+           "--workload", "latency,load", "--engine", "ours", "--new-tokens", "4", "--prompt-len", "8",
+           "--set", "device=cpu", "--write-checkpoint", str(tmp_path / "random"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["weights"]["format"] == "bf16" and res["fp8"]["weights"]["format"] == "fp8"
+    assert res["latency"]["decode_tok_s"] > 0 and res["fp8"]["latency"]["decode_tok_s"] > 0
+    fp8 = tmp_path / "random-fp8"
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    index = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(fp8 / index["model.layers.0.mlp.down_proj.weight"]), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == FP8
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (2, 5)  # [192, 640]
