@@ -99,8 +99,9 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue  # derived or duplicated tensors some checkpoints carry
                     if name not in targets:
+                        unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
                         hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
-                                if name.endswith(".weight_scale_inv") else "")
+                                if name.endswith(".weight_scale_inv") and unquantized else "")
                         raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
                     pname, shard = targets[name]
                     param = params[pname]
