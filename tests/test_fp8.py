@@ -314,3 +314,53 @@ def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
     with safe_open(str(fp8 / index["model.layers.0.mlp.down_proj.weight"]), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == FP8
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (2, 5)  # [192, 640]
+
+
+# ---- Qwen3-MoE experts ----
+
+@pytest.fixture(scope="module")
+def moe_ckpts(tmp_path_factory):
+    """A Qwen3-MoE checkpoint (expert inner size 160: 80 rows per rank at TP 2, 40 at TP 4, both inside a block),
+    its FP8 version, and transformers' float64 model on the dequantized weights (its eager expert loop)."""
+    from transformers import Qwen3MoeForCausalLM
+    from helpers import make_moe_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8_moe")
+    src = make_moe_checkpoint(root / "bf16", hidden=192, inter=256, moe_inter=160, layers=2, heads=4, kv_heads=1,
+                              head_dim=48, experts=8, top_k=2, vocab=389)
+    quantize_checkpoint(str(src), str(root / "fp8"), shard_bytes=200_000)
+    tensors = {}
+    for f in (root / "fp8").glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" in tensors
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype != FP8  # the router stays unquantized
+    dense = {k: (reference_dequantize(v, tensors[k + "_scale_inv"]) if v.dtype == FP8 else v.double())
+             for k, v in tensors.items() if not k.endswith("_scale_inv")}
+    (root / "ref").mkdir()
+    save_file(dense, str(root / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "fp8" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (root / "ref" / "config.json").write_text(json.dumps(cfg))
+    model = Qwen3MoeForCausalLM.from_pretrained(root / "ref", dtype=torch.float64).eval()
+    model.config._experts_implementation = "eager"  # transformers' grouped experts have no float64
+    want = []
+    for ids in PROMPTS:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                 do_sample=False, pad_token_id=0)
+        want.append(out[0, len(ids):].tolist())
+    return root / "fp8", model, want
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_moe_experts_greedy_equals_transformers_float64(moe_ckpts, tp, tmp_path):
+    path, model, want = moe_ckpts
+    cfg = {"model": str(path), "prompts": [{"input_ids": p} for p in PROMPTS],
+           "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=tp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [line["output_token_ids"] for line in lines]
+    for prompt, ours, theirs in zip(PROMPTS, got, want):
+        check_against(model, prompt, ours, theirs)
+    assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) - 1
