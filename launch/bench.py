@@ -19,6 +19,13 @@ workloads: the same latency request (--hf-new-tokens new tokens), and for throug
 
 Weights are random: `load_format: dummy` from config.json, or a checkpoint written by --write-checkpoint
 DIR (bf16 safetensors in HF names, sharded, with an index), which the engine then loads from disk.
+
+--weights bf16,fp8 runs the engine's workloads once per weight format, in one call: bf16 as above, then
+block-FP8 (Qwen's *-FP8 format: float8_e4m3fn linears with a float32 scale per 128 x 128 block, bf16
+embeddings, norms and LM head), from a config.json with a quantization_config (dummy weights) or from an FP8
+checkpoint that --write-checkpoint writes beside the bf16 one, in DIR-fp8. FP8 figures go under "fp8"; their
+bandwidth floor counts the bytes an FP8 step reads (Engine.weight_bytes: fp8 linears, scales, bf16 rest).
+HF runs the bf16 model only.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +49,7 @@ from tp_engine import config as C  # noqa: E402
 from tp_engine import comm  # noqa: E402
 from tp_engine.engine import Engine  # noqa: E402
 from tp_engine.model_config import ModelConfig  # noqa: E402
+from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
 from tp_engine.sampler import SamplingParams  # noqa: E402
 from tp_engine.scheduler import Request  # noqa: E402
 
@@ -56,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
-    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random bf16 checkpoint here (if absent) and load it")
+    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random bf16 checkpoint here (if absent) and load it; "
+                   "with --weights fp8 also an FP8 one in DIR-fp8")
+    p.add_argument("--weights", default="bf16", help="weight formats to run, in order: bf16, fp8 or bf16,fp8")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -100,9 +111,16 @@ def pct(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def model_bytes(cfg: dict, bytes_per_param: int = 2) -> int:
-    """Bytes of all weights of the full model (tied embeddings counted once)."""
-    return sum(n for _, shape in checkpoint_tensors(cfg) for n in [prod(shape) * bytes_per_param])
+def model_bytes(cfg: dict, bytes_per_param: int = 2, fp8: bool = False) -> int:
+    """Bytes of all weights of the full model (tied embeddings counted once); fp8: the quantized linears at one
+    byte per weight plus a float32 scale per 128 x 128 block."""
+    return sum(tensor_bytes(name, shape, bytes_per_param, fp8) for name, shape in checkpoint_tensors(cfg))
+
+
+def tensor_bytes(name: str, shape: tuple, bytes_per_param: int = 2, fp8: bool = False) -> int:
+    if fp8 and is_quantizable(name, shape):
+        return prod(shape) + 4 * -(-shape[0] // BLOCK) * -(-shape[1] // BLOCK)
+    return prod(shape) * bytes_per_param
 
 
 def prod(shape) -> int:
@@ -160,9 +178,10 @@ def active_weight_bytes(cfg: dict, tp: int, bytes_per_param: int = 2) -> int:
     return (n + h + h + vocab_shard * h) * bytes_per_param  # an embedding row, the final norm, the LM head
 
 
-def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
-    """Random bf16 safetensors shards + index + config.json; each rank writes every world-th shard.
-    Returns the seconds this took (0 when the directory already holds a complete checkpoint)."""
+def write_checkpoint(model_dir: str, out_dir: str, seed: int, fp8: bool = False) -> float:
+    """Random bf16 safetensors shards + index + config.json; each rank writes every world-th shard. fp8: the
+    same random weights, quantized (launch/quantize_fp8.py's format). Returns the seconds this took (0 when the
+    directory already holds a complete checkpoint)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -178,7 +197,7 @@ def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
     tensors = checkpoint_tensors(cfg)
     shards, cur, size = [], [], 0
     for name, shape in tensors:
-        n = prod(shape) * 2
+        n = tensor_bytes(name, shape, 2, fp8)
         if cur and size + n > SHARD_BYTES:
             shards.append(cur)
             cur, size = [], 0
@@ -198,18 +217,38 @@ def write_checkpoint(model_dir: str, out_dir: str, seed: int) -> float:
                 data[name] = torch.ones(shape, dtype=torch.bfloat16)
             else:
                 gen.manual_seed(seed * 1_000_003 + hash_name(name))
-                data[name] = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 0.02,
-                                                                                         generator=gen).cpu()
+                w = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 0.02, generator=gen)
+                if fp8 and is_quantizable(name, shape):
+                    q, s = quantize(w)
+                    data[name], data[name + "_scale_inv"] = q.cpu(), s.cpu()
+                else:
+                    data[name] = w.cpu()
         save_file(data, str(out / files[k]), metadata={"format": "pt"})
         del data
     if rank() == 0:
-        total = sum(prod(s) * 2 for _, s in tensors)
-        weight_map = {name: files[k] for k, shard in enumerate(shards) for name, _ in shard}
+        total = sum(tensor_bytes(name, s, 2, fp8) for name, s in tensors)
+        weight_map = {name + suffix: files[k] for k, shard in enumerate(shards) for name, shape in shard
+                      for suffix in (["", "_scale_inv"] if fp8 and is_quantizable(name, shape) else [""])}
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        (out / "config.json").write_text(json.dumps(fp8_config(cfg) if fp8 else cfg, indent=2))
     if world > 1:
         comm.all_gather_object(True)  # every rank waits until all shards and the index exist
     return time.perf_counter() - t0
+
+
+def fp8_config(cfg: dict) -> dict:
+    return {**cfg, "quantization_config": dict(QWEN_FP8_CONFIG)}
+
+
+def fp8_config_dir(model_dir: str) -> str:
+    """A directory with model_dir's config.json plus an FP8 quantization_config (load_format dummy). The same
+    path on every rank, since the ranks compare their configs; each writes the same file."""
+    out = Path(tempfile.gettempdir()) / "tp_engine_bench" / f"{Path(model_dir).resolve().name}-fp8"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"config.json.{rank()}"
+    tmp.write_text(json.dumps(fp8_config(json.loads((Path(model_dir) / "config.json").read_text())), indent=2))
+    os.replace(tmp, out / "config.json")
+    return str(out)
 
 
 def hash_name(name: str) -> int:
@@ -523,6 +562,53 @@ def set_measuring_knobs(args) -> dict:
             "split_kv": flashinfer_backend.SPLIT_KV}
 
 
+def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict, fp8: bool) -> None:
+    """Our engine on the workloads, its figures into `res`."""
+    cfg = C.build_config(None, args.overrides, **options)
+    t0 = time.perf_counter()
+    try:
+        engine = Engine(cfg)
+    except Exception as e:
+        if not cfg["cuda_graph"] or world > 1:
+            raise
+        import traceback  # measure the eager path rather than nothing, and say why
+        traceback.print_exc()
+        res["cuda_graph_error"] = f"{type(e).__name__}: {e}"[:500]
+        gc.collect()
+        torch.cuda.empty_cache()
+        cfg["cuda_graph"] = False
+        t0 = time.perf_counter()
+        engine = Engine(cfg)
+    res["engine_init_s"] = round(time.perf_counter() - t0, 2)
+    res["load_s"] = round(engine.load_seconds, 2)
+    wb = engine.weight_bytes()
+    expect = model_bytes(cfg_json, torch.empty((), dtype=engine.dtype).element_size(), fp8) // world
+    res["weights"] = {"format": "fp8" if fp8 else "bf16", "bytes_per_rank": wb, "model_bytes_over_tp": expect,
+                      "ratio": round(wb / expect, 4)}
+    if torch.cuda.is_available():
+        res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
+    res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
+    res["cuda_graph"] = engine.graphs is not None
+    from tp_engine.kernels import fp8 as fp8_kernels, fused_ops, gemv
+    res["fused_triton_kernels"] = fused_ops(engine.device) is not None
+    res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
+    res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
+    if "latency" in workloads:
+        bench_latency(engine, args, res)
+        if args.profile:
+            host_profile(engine, args, res)
+    if "throughput" in workloads:
+        bench_throughput(engine, args, res)
+    if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
+        res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
+        if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket
+            res["fp8_kernels"] = {f"{'x'.join(map(str, k[0]))}{f' shift {k[1]}' if k[1] else ''} m<={k[3]}"
+                                  f"{' w8a8' if k[4] else ''}": str(v) for k, v in fp8_kernels._CHOICE.items()}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING, format="[%(asctime)s] %(message)s",
@@ -534,59 +620,26 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     res: dict = {"model": Path(args.model).name, "tp": world, "gpu": args.gpu, "workloads": sorted(workloads),
                  "date": time.strftime("%Y-%m-%d"), "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args)}
-    options = {"model": args.model, "load_format": "dummy", "seed": args.seed}
+                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args), "weight_formats": args.weights}
     ckpt = None
-    engine = None
     try:
-        if args.write_checkpoint:
-            if world > 1:  # the engine would join the ranks later; the writer needs them now
-                comm.init_distributed(comm.pick_device("auto"))
-            res["checkpoint_write_s"] = round(write_checkpoint(args.model, args.write_checkpoint, args.seed), 2)
-            ckpt = args.write_checkpoint
-            options.update(model=ckpt, load_format="auto")
-        if args.engine in ("ours", "both"):
-            cfg = C.build_config(None, args.overrides, **options)
-            t0 = time.perf_counter()
-            try:
-                engine = Engine(cfg)
-            except Exception as e:
-                if not cfg["cuda_graph"] or world > 1:
-                    raise
-                import traceback  # measure the eager path rather than nothing, and say why
-                traceback.print_exc()
-                res["cuda_graph_error"] = f"{type(e).__name__}: {e}"[:500]
-                gc.collect()
-                torch.cuda.empty_cache()
-                cfg["cuda_graph"] = False
-                t0 = time.perf_counter()
-                engine = Engine(cfg)
-            res["engine_init_s"] = round(time.perf_counter() - t0, 2)
-            res["load_s"] = round(engine.load_seconds, 2)
-            wb = engine.weight_bytes()
-            expect = model_bytes(cfg_json, torch.empty((), dtype=engine.dtype).element_size()) // world
-            res["weights"] = {"bytes_per_rank": wb, "model_bytes_over_tp": expect, "ratio": round(wb / expect, 4)}
-            if torch.cuda.is_available():
-                res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
-            res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
-            res["cuda_graph"] = engine.graphs is not None
-            from tp_engine.kernels import fused_ops, gemv
-            res["fused_triton_kernels"] = fused_ops(engine.device) is not None
-            res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
-            res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
-            if "latency" in workloads:
-                bench_latency(engine, args, res)
-                if args.profile:
-                    host_profile(engine, args, res)
-            if "throughput" in workloads:
-                bench_throughput(engine, args, res)
-            if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
-                res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
-            del engine
-            engine = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            _checkpoint_results(args, res)
+        if args.write_checkpoint and world > 1:  # the engine would join the ranks later; the writer needs them now
+            comm.init_distributed(comm.pick_device("auto"))
+        for fmt in args.weights.split(","):
+            if fmt not in ("bf16", "fp8"):
+                raise SystemExit(f"--weights: unknown format {fmt!r} (bf16, fp8)")
+            fp8 = fmt == "fp8"
+            out = res.setdefault("fp8", {}) if fp8 else res  # bf16 figures stay where they always were
+            options = {"model": fp8_config_dir(args.model) if fp8 else args.model, "load_format": "dummy",
+                       "seed": args.seed}
+            if args.write_checkpoint:
+                path = args.write_checkpoint + ("-fp8" if fp8 else "")
+                out["checkpoint_write_s"] = round(write_checkpoint(args.model, path, args.seed, fp8), 2)
+                options.update(model=path, load_format="auto")
+                ckpt = ckpt if fp8 else path
+            if args.engine in ("ours", "both"):
+                bench_ours(args, cfg_json, options, workloads, world, out, fp8)
+                _checkpoint_results(args, res)
         if args.engine in ("hf", "both") and workloads & {"latency", "throughput"}:
             try:
                 bench_hf(args, cfg_json, ckpt, workloads, res, world)

@@ -97,6 +97,9 @@ SCHEMA: dict[str, Key] = {
     "advanced.fused_kernels": Key(_STR, "auto", "fused Triton kernels on CUDA: auto = used when Triton imports and their "
                                   "self-test passes on every rank; on = the same, but a failure stops the start-up; "
                                   "off = torch ops", ("auto", "on", "off")),
+    "advanced.fp8_gemm": Key(_STR, "weight_only", "block-FP8 checkpoints on CUDA, matmuls of several tokens: weight_only "
+                             "= bf16 activations against the fp8 weights; w8a8 = activations quantized to fp8 per "
+                             "token and 128 columns, fp8 x fp8", ("weight_only", "w8a8")),
     "advanced.step_channel": Key(_STR, "auto", "how rank 0 sends each step's message: shm = a shared-memory mailbox "
                                  "(ranks on one x86 host), gloo = the CPU process group; auto = shm on CUDA where "
                                  "possible, else gloo", ("auto", "shm", "gloo")),

@@ -21,6 +21,7 @@ from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
 from tp_engine.kernels import fused_ops
+from tp_engine.layers.fp8 import finish_loading, quantize_linears
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
 from tp_engine.models import build_model
@@ -80,7 +81,7 @@ class Engine:
         comm.check_startup(error, fingerprint(cfg), self.tp)  # every rank learns rank 0's verdict
         try:
             self._setup_model()
-            ops = kernels.select(device, cfg["advanced"]["fused_kernels"])
+            ops = kernels.select(device, cfg["advanced"]["fused_kernels"], fp8=self.model_cfg.quant is not None)
         except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
@@ -137,10 +138,13 @@ class Engine:
                 model = build_model(self.model_cfg)
         finally:
             torch.set_default_dtype(torch.float32)
+        if self.model_cfg.quant is not None:  # block-FP8 checkpoint: fp8 shards and their scales
+            quantize_linears(model, self.model_cfg.quant, self.cfg["advanced"]["fp8_gemm"] == "w8a8")
         if self.cfg["load_format"] == "dummy":
             init_dummy(model, self.cfg["seed"] + self.tp.rank)
         else:
             load_checkpoint(model, self.cfg["model"])
+        finish_loading(model)  # CPU: FP8 weights dequantized here, once
         return model.eval()
 
     def _num_pages(self) -> int:

@@ -15,25 +15,33 @@ class CheckpointError(ValueError):
 
 
 # safetensors dtype codes of the weights the engine converts to its own dtype. Others (int8, bool, ...) would
-# be cast to floats without complaint and give garbage: quantized checkpoints need their own kernels.
+# be cast to floats without complaint and give garbage: quantized checkpoints need their own kernels, so
+# float8 is taken only by the parameters of a block-FP8 checkpoint that hold it (layers/fp8.py).
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FP8_DTYPE = "F8_E4M3"
 
 
 class SliceSource:
     """A lazy view of one checkpoint tensor: `.narrow` reads only the requested rows or columns, and checks
     that they are finite (every value this rank loads is looked at once)."""
 
-    def __init__(self, handle, name: str) -> None:
+    def __init__(self, handle, name: str, fp8: bool = False) -> None:
         self.slice = handle.get_slice(name)
         self.shape = tuple(self.slice.get_shape())
         dtype = self.slice.get_dtype()
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dtype {dtype} is not supported; weights must be {', '.join(FLOAT_DTYPES.values())}")
+        if dtype not in FLOAT_DTYPES and not (fp8 and dtype == FP8_DTYPE):
+            allowed = ", ".join([*FLOAT_DTYPES.values(), *(["float8_e4m3fn"] if fp8 else [])])
+            hint = ("; float8 weights with weight_scale_inv are a block-FP8 checkpoint, which needs its "
+                    "quantization_config in config.json" if dtype == FP8_DTYPE and not fp8 else "")
+            raise ValueError(f"dtype {dtype} is not supported; weights must be {allowed}{hint}")
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)
         t = self.slice[index]
-        if t.numel():
+        if t.dtype == torch.float8_e4m3fn:  # no infinities in e4m3fn; NaN is every bit of exponent and mantissa set
+            if t.numel() and ((t.view(torch.uint8) & 0x7F) == 0x7F).any():
+                raise ValueError("holds NaN values")
+        elif t.numel():
             # min and max propagate NaN, so both are finite only if every value is: a full check, at about a
             # fifteenth of the cost of torch.isfinite(t).all() on CPU (no boolean copy of the tensor)
             lo, hi = torch.aminmax(t)
@@ -116,12 +124,15 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue  # derived or duplicated tensors some checkpoints carry
                     if name not in targets:
-                        raise CheckpointError(f"unexpected tensor '{name}' in {file.name}")
+                        unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
+                        hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
+                                if name.endswith(".weight_scale_inv") and unquantized else "")
+                        raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
                     pname, shard = targets[name]
                     param = params[pname]
                     loader = getattr(param, "weight_loader", default_loader)
                     try:
-                        loader(param, SliceSource(handle, name), shard)
+                        loader(param, SliceSource(handle, name, param.dtype == torch.float8_e4m3fn), shard)
                     except ValueError as e:
                         raise CheckpointError(f"tensor '{name}' in {file.name}: {e}") from None
                     seen.add(name)
@@ -139,7 +150,9 @@ def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights of the right shapes (benchmarks of public model shapes without a download)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() == 1:
+        if hasattr(p, "dummy_init"):  # not a plain float tensor (layers/fp8.py): it fills itself
+            p.dummy_init(p, gen)
+        elif p.dim() == 1:
             p.data.fill_(1.0) if "norm" in name else p.data.zero_()
         else:
             p.data.normal_(0.0, 0.02, generator=gen)

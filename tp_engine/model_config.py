@@ -10,6 +10,8 @@ from typing import Any
 
 from tp_engine.textio import decode_utf8
 
+from tp_engine.quant import QuantConfig
+
 
 class ModelError(ValueError):
     """A problem with the checkpoint's config.json or its fit to the TP size."""
@@ -37,6 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     moe: MoeConfig | None = None  # Qwen3-MoE (model_type qwen3_moe): the experts; None for the dense model
+    quant: QuantConfig | None = None  # block-FP8 weights (quantization_config); None: unquantized
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -71,6 +74,10 @@ class ModelConfig:
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ModelError(f"{where}: rope scaling type {rope_type!r} is not supported (only default RoPE)")
+        try:
+            quant = QuantConfig.from_dict(raw.get("quantization_config"))
+        except ValueError as e:
+            raise ModelError(f"{where}: {e}") from None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return cls(
@@ -89,6 +96,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos_ids + extra_eos)),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             moe=MoeConfig.from_dict(raw, where) if kind == "qwen3_moe" else None,
+            quant=quant,
         )
 
     def check_tp(self, tp: int) -> None:

@@ -12,6 +12,8 @@ where torch would), so swapping one for the other changes results only through t
   the logits once) and `resolve_tokens` (the previous step's sampled tokens into the step's input ids).
 - kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
   `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
+- kernels/fp8.py (with kernels/fp8_gemm.py): `fp8_linear`, the matmul with block-FP8 weights (layers/fp8.py):
+  a GEMV at one token, GEMMs for more, chosen per weight shape by timing.
 
 The push all-reduce (comm/push_all_reduce.py) is built on the helpers here too. This module holds the
 registry the model asks for them (`fused_ops`), their start-up check (`self_test`) and the Triton helpers
@@ -59,18 +61,18 @@ _CHOSEN: dict[str, object] = {}  # "ops": what fused_ops returns on CUDA, once d
 
 
 def _ops() -> SimpleNamespace:
-    from . import gemv, moe, norm, sampling  # the kernel modules import the helpers below from this one
+    from . import fp8, gemv, moe, norm, sampling  # the kernel modules import the helpers below from this one
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, linear=gemv.linear, gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens, moe_topk_softmax=moe.topk_softmax,
-                           fused_moe=moe.fused_moe)
+                           fused_moe=moe.fused_moe, fp8_linear=fp8.linear)
 
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax, resolve_tokens, moe_topk_softmax and
-    fused_moe.
+    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax, resolve_tokens, moe_topk_softmax,
+    fused_moe and fp8_linear.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
     (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never
@@ -82,11 +84,12 @@ def fused_ops(device: torch.device):
     return _CHOSEN["ops"]
 
 
-def select(device: torch.device, mode: str = "auto"):
+def select(device: torch.device, mode: str = "auto", fp8: bool = False):
     """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None.
 
     auto: the kernels on CUDA when Triton imports and the self-test passes, else None (with a warning);
-    on: the same, but a missing Triton or a failed self-test raises ValueError; off: None."""
+    on: the same, but a missing Triton or a failed self-test raises ValueError; off: None. fp8: the model has
+    block-FP8 weights, so the self-test covers the FP8 matmuls too (they compile only then)."""
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
     if device.type != "cuda":
@@ -97,7 +100,7 @@ def select(device: torch.device, mode: str = "auto"):
             raise ValueError("advanced.fused_kernels is on, but Triton cannot be imported")
         log.warning("fused Triton kernels disabled (Triton cannot be imported)")
         return None
-    failure = self_test(device)
+    failure = self_test(device, fp8)
     if failure is None:
         return _ops()
     if mode == "on":
@@ -112,7 +115,7 @@ def use(ops) -> None:
     _CHOSEN["ops"] = ops
 
 
-def self_test(device: torch.device) -> str | None:
+def self_test(device: torch.device, fp8: bool = False) -> str | None:
     """Compile and run each kernel once on small inputs against the torch ops: None if all agree, else what
     went wrong (`select` then falls back to the torch code, or stops the start-up under `on`)."""
     try:
@@ -144,6 +147,9 @@ def self_test(device: torch.device) -> str | None:
         qf = qkv[:, :128].float()
         torch.testing.assert_close(q[:, 0], (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), **tol)
         assert torch.equal(cache[1, 1, 1, 0], qkv[1, 256:])
+        if fp8:
+            from . import fp8 as fp8_kernels
+            fp8_kernels.self_test(device)
         torch.cuda.synchronize(device)
         return None
     except Exception as e:  # a broken kernel must not take the engine down: the torch ops still work

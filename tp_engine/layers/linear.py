@@ -33,6 +33,10 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
+    # How the weight is stored and multiplied when it is not a plain float matrix (layers/fp8.py: block-FP8
+    # weights with their scales); None: F.linear on `weight`.
+    quant = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.tp = get_tp()
@@ -47,6 +51,21 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
         raise NotImplementedError
 
+    def row_parts(self) -> dict:
+        """shard id -> (first local row, rows, first row in the checkpoint tensor, the tensor's rows): where
+        this rank's output rows of each checkpoint tensor sit. Unsplit here; column-parallel layers split."""
+        n = self.weight.shape[0]
+        return {None: (0, n, 0, n)}
+
+    def col_range(self) -> tuple[int, int, int]:
+        """(first column in the checkpoint tensor, columns, the tensor's columns) of this rank's input
+        columns. Unsplit here; row-parallel layers split."""
+        k = self.weight.shape[1]
+        return 0, k, k
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return matmul(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
@@ -57,13 +76,17 @@ class ColumnParallelLinear(LinearBase):
         self.full_out = out_features
         super().__init__(in_features, out_features // tp.size, bias)
 
+    def row_parts(self) -> dict:
+        n = self.full_out // self.tp.size
+        return {None: (0, n, self.tp.rank * n, self.full_out)}
+
     def weight_loader(self, param, src, shard_id=None) -> None:
-        check_shape(src, (self.full_out, *param.shape[1:]))
-        n = param.shape[0]
-        param.data.copy_(src.narrow(0, self.tp.rank * n, n))
+        offset, n, start, full = self.row_parts()[shard_id]
+        check_shape(src, (full, *param.shape[1:]))
+        param.data.narrow(0, offset, n).copy_(src.narrow(0, start, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,12 +96,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
-    def weight_loader(self, param, src, shard_id=None) -> None:
-        full = self.out_sizes[shard_id]
-        check_shape(src, (full, *param.shape[1:]))
-        n = full // self.tp.size
-        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, n).copy_(src.narrow(0, self.tp.rank * n, n))
+    def row_parts(self) -> dict:
+        tp, parts, offset = self.tp, {}, 0
+        for i, full in enumerate(self.out_sizes):
+            n = full // tp.size
+            parts[i] = (offset, n, tp.rank * n, full)
+            offset += n
+        return parts
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -98,16 +122,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         local = (self.q_heads + 2 * self.kv_heads) * head_dim
         LinearBase.__init__(self, hidden, local, bias)
 
-    def weight_loader(self, param, src, shard_id=None) -> None:
-        d = self.head_dim
-        idx = "qkv".index(shard_id)
-        check_shape(src, (self.out_sizes[idx], *param.shape[1:]))
-        if shard_id == "q":
-            offset, n, start = 0, self.q_heads * d, self.tp.rank * self.q_heads * d
-        else:
-            offset = (self.q_heads + (idx - 1) * self.kv_heads) * d
-            n, start = self.kv_heads * d, self.kv_start * d
-        param.data.narrow(0, offset, n).copy_(src.narrow(0, start, n))
+    def row_parts(self) -> dict:
+        d, q, kv = self.head_dim, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q": (0, q, self.tp.rank * q, self.out_sizes[0]),
+                "k": (q, kv, self.kv_start * d, self.out_sizes[1]),
+                "v": (q + kv, kv, self.kv_start * d, self.out_sizes[2])}
 
 
 class RowParallelLinear(LinearBase):
@@ -125,17 +144,21 @@ class RowParallelLinear(LinearBase):
         if bias:
             self.bias.weight_loader = self.bias_loader
 
+    def col_range(self) -> tuple[int, int, int]:
+        n = self.full_in // self.tp.size
+        return self.tp.rank * n, n, self.full_in
+
     def weight_loader(self, param, src, shard_id=None) -> None:
-        check_shape(src, (param.shape[0], self.full_in))
-        n = param.shape[1]
-        param.data.copy_(src.narrow(1, self.tp.rank * n, n))
+        start, n, full = self.col_range()
+        check_shape(src, (param.shape[0], full))
+        param.data.copy_(src.narrow(1, start, n))
 
     def bias_loader(self, param, src, shard_id=None) -> None:
         check_shape(src, tuple(param.shape))
         param.data.copy_(src.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.weight)
+        y = self.linear(x)
         if not self.reduce:  # the bias counts once: on rank 0's partial sum
             return y + self.bias if self.bias is not None and self.tp.rank == 0 else y
         y = all_reduce(y, self.tp)

@@ -1,0 +1,126 @@
+"""Write a block-FP8 checkpoint, in the format of Qwen's *-FP8 releases, from a bf16 (fp16, fp32) Qwen3 one.
+
+    python launch/quantize_fp8.py /models/Qwen3-8B /models/Qwen3-8B-fp8
+    python launch/quantize_fp8.py SRC DST --shard-size 2GB --device cuda --modules-to-not-convert model.layers.0.mlp
+
+Every projection weight of the decoder layers (q/k/v/o, gate/up/down; each expert's too) becomes
+`weight` (float8_e4m3fn) and `weight_scale_inv` (float32, one per 128 x 128 block): per block, scale = the
+largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_engine/quant.py). The
+embeddings, norms, the LM head and the MoE router are copied as they are. The output is sharded
+(model-0000k-of-0000n.safetensors with model.safetensors.index.json); config.json gains
+`quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`;
+the other files (tokenizer, generation_config.json) are copied.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from tp_engine.loader import checkpoint_files  # noqa: E402
+from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
+
+BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[:-2]) * factor)
+    return int(text)
+
+
+def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
+    """(name, source file, quantize?, output bytes) for every tensor, in the source order."""
+    out = []
+    for file in checkpoint_files(str(src)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape, size = tuple(sl.get_shape()), BYTES.get(sl.get_dtype(), 4)
+                numel = 1
+                for d in shape:
+                    numel *= d
+                q = is_quantizable(name, shape) and not skip.skips(name.rsplit(".", 1)[0])
+                blocks = -(-shape[0] // BLOCK) * -(-shape[-1] // BLOCK) if q else 0
+                out.append((name, file, q, numel + 4 * blocks if q else numel * size))
+    return out
+
+
+def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: str = "cpu",
+                        modules_to_not_convert: tuple[str, ...] = ()) -> dict:
+    """Write the FP8 checkpoint of `src` into `dst`; returns its index."""
+    src_dir, dst_dir = Path(src), Path(dst)
+    config = json.loads((src_dir / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise SystemExit(f"{src_dir / 'config.json'} already has a quantization_config")
+    skip = QuantConfig(modules_to_not_convert=tuple(modules_to_not_convert))
+    tensors = plan(src_dir, skip)
+    shards, size = [[]], 0
+    for entry in tensors:
+        if shards[-1] and size + entry[3] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[3]
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    weight_map, handles = {}, {}
+    try:
+        for shard, fname in zip(shards, names):
+            data = {}
+            for name, file, q, _ in shard:
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt")
+                t = handles[file].get_tensor(name)
+                if q:
+                    w, s = quantize(t.to(device))
+                    data[name], data[name + "_scale_inv"] = w.cpu(), s.cpu()
+                else:
+                    data[name] = t
+            save_file(data, str(dst_dir / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in data})
+    finally:
+        handles.clear()
+    total = sum(e[3] for e in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dst_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    qcfg = dict(QWEN_FP8_CONFIG)
+    if modules_to_not_convert:
+        qcfg["modules_to_not_convert"] = list(modules_to_not_convert)
+    config["quantization_config"] = qcfg
+    (dst_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src_dir.iterdir():  # tokenizer, generation_config.json, ...
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst_dir / f.name)
+    return index
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--shard-size", default="5GB", help="largest output file (e.g. 5GB, 500MB)")
+    p.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for large models)")
+    p.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="MODULE",
+                   help="modules (checkpoint names) to keep unquantized; recorded in quantization_config")
+    args = p.parse_args(argv)
+    index = quantize_checkpoint(args.src, args.dst, parse_size(args.shard_size), args.device,
+                                tuple(args.modules_to_not_convert))
+    files = sorted(set(index["weight_map"].values()))
+    print(f"wrote {len(index['weight_map'])} tensors in {len(files)} file(s), "
+          f"{index['metadata']['total_size'] / 1e9:.2f} GB, to {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

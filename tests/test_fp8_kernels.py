@@ -1,0 +1,200 @@
+"""The block-FP8 GPU kernels (tp_engine/kernels/fp8.py, fp8_gemm.py), checked without a GPU:
+
+- numerically, in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors), against torch references: the GEMV
+  (both bodies), the GEMM with the activations handled inside (weight-only and w8a8, swapped or not), the
+  GEMM after `prepare_activations`, and the dequantization for cuBLAS, on a shard with ragged sizes, a k
+  offset (a row-parallel shard that starts inside a block) and scale rows that change inside a tile;
+- compiled for the H200 (sm_90): each structural variant must pass ptxas without register spills, within
+  an SM's shared memory, and the GEMM's k-loop must be pipelined (asynchronous copies).
+
+Triton is optional (CUDA builds of torch bring it); without it these tests skip. tests/test_gpu_fp8.py runs
+the kernels on a GPU.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+INTERPRETER_SCRIPT = r'''
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+import triton.runtime.interpreter as ti
+
+# Triton 3.6's interpreter, test-side fixes: loop bounds are 1-element arrays, which int() no longer takes
+# (numpy >= 2.4); tl.dot multiplies bfloat16 tiles as raw 16-bit patterns; and float32 -> fp8e4nv rounds
+# without carrying into the exponent (127 becomes 64). The GPU's conversion rounds to nearest even, as torch.
+_patch = ti._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+ti._patch_lang_tensor = _patch_lang_tensor
+_dot = ti.InterpreterBuilder.create_dot
+def _create_dot(self, a, b, d, *args):
+    def f32(h):
+        if h.dtype == tl.bfloat16:
+            return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+    return _dot(self, f32(a), f32(b), d, *args)
+ti.InterpreterBuilder.create_dot = _create_dot
+_fp_to_fp = ti.InterpreterBuilder.create_fp_to_fp
+def _create_fp_to_fp(self, src, dst_type, rounding_mode):
+    if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+        data = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return ti.TensorHandle(data, dst_type.scalar)
+    return _fp_to_fp(self, src, dst_type, rounding_mode)
+ti.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+
+from tp_engine.kernels import fp8
+from tp_engine.kernels.fp8_gemm import GEMM_CONFIGS, PRE_CONFIGS, dequantize_weight, prepare_activations
+
+FP8 = torch.float8_e4m3fn
+
+
+def group_quant(x, shift):
+    """The reference's per-token-group quantization, the groups on the weight's k-blocks."""
+    m, k = x.shape
+    nb = -(-(k + shift) // 128)
+    xp = torch.zeros(m, nb * 128)
+    xp[:, shift:shift + k] = x.float()
+    xb = xp.view(m, nb, 128)
+    s = xb.abs().amax(-1).clamp(min=1e-10) / 448
+    q = (xb / s[..., None]).clamp(-448, 448).to(FP8)
+    return q.view(m, -1)[:, shift:shift + k], s
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+g = torch.Generator().manual_seed(0)
+cases = [(200, 300, 32, 40), (96, 256, 0, 0), (130, 200, 96, 64)]  # (N, K, k_shift, offset of the scale rows)
+for n, k, shift, offset in cases:
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(FP8)
+    scale_row = ((torch.arange(n) + offset) // 128).to(torch.int32)
+    scale = torch.rand((n - 1 + offset) // 128 + 1, -(-(k + shift) // 128), generator=g) / 400 + 1e-4
+    align = 128
+    for c in (scale_row[1:] != scale_row[:-1]).nonzero().flatten().add(1).tolist():
+        while c % align:
+            align //= 2
+    ref_w = fp8.dequantize(w, scale, scale_row, shift, torch.float32)
+    assert torch.equal(dequantize_weight(w, scale, scale_row, shift, torch.float32), ref_w), "dequant"
+    for m in (1, 19):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        ref = F.linear(x.float(), ref_w)
+        xq, xs = group_quant(x, shift)
+        ref8 = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, shift:shift + k], ref_w)
+        # prepared activations: fp8 as the reference rounds them (x times 1/scale: a rare last-bit difference),
+        # fp16 exact after the power-of-two scaling
+        q, s = prepare_activations(x, shift, True)
+        torch.testing.assert_close(s, xs, rtol=0, atol=0)
+        assert (q.float() == xq.float()).float().mean() > 0.99
+        q, s = prepare_activations(x, shift, False)
+        assert torch.equal(q.float() * s.repeat_interleave(128, 1)[:, shift:shift + k], x.float())
+        tiles = [GEMM_CONFIGS[16][2], GEMM_CONFIGS[16][4], GEMM_CONFIGS[64][-1]]  # swapped, plain, larger
+        runs = [("gemm", c, a8) for c in tiles for a8 in (False, True)]
+        runs += [("pre", c, a8) for c in (PRE_CONFIGS[0], GEMM_CONFIGS[16][2]) for a8 in (False, True)]
+        runs += [("dequant", None, False)]
+        if m == 1:
+            runs += [("gemv", c, False) for c in fp8.GEMV_CONFIGS[:3]]
+        for kind, cfg, a8 in runs:
+            out = fp8._run((kind, cfg), x, w, scale, scale_row, shift, align, a8)
+            assert out.shape == (m, n) and out.dtype == torch.bfloat16
+            # bf16 output rounding (the interpreter truncates to bf16: ~2^-8); w8a8 against its own reference
+            err = rel(out, ref8 if a8 else ref)
+            assert err < 6e-3, (n, k, shift, m, kind, cfg, a8, err)
+        if m == 1:  # the GEMV's general body, whatever the alignment
+            assert rel(fp8.gemv(x, w, scale, scale_row, shift, 1, (16, 2, 4)), ref) < 6e-3
+print("interpreter ok")
+'''
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_kernels_match_reference_in_interpreter(tmp_path):
+    script = tmp_path / "fp8_interpret.py"
+    script.write_text(INTERPRETER_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-5000:]
+
+
+# ---- compiled for sm_90 ----
+
+MAX_SHARED = 227 * 1024  # dynamic shared memory per block on H100/H200
+SIZES = ("N", "M", "n_kb")  # not specialised as multiples of 16 (K is, as in every public shape)
+
+
+def _compile(fn, types: dict, consts: dict, warps: int, stages: int):
+    """Compile for sm_90 as a launch on the public shapes would: pointers, strides and k_shift marked
+    16-divisible (the JIT's specialisation), so loads vectorise and the k-loop pipelines as on the GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in sig if name not in SIZES}
+    sig.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def _spills(kernel) -> str | None:
+    """'STACK:n LOCAL:n' from cuobjdump's resource usage of the cubin, if cuobjdump is at hand."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = next(line for line in out.splitlines() if "REG:" in line)
+    return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
+
+
+def _variants():
+    """One compile per structural variant (the tile sizes of a variant share its code)."""
+    from tp_engine.kernels import fp8, fp8_gemm as g
+
+    gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
+    out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u), w, 3)
+           for (bn, kb, w), u in ((fp8.GEMV_CONFIGS[0], True), (fp8.GEMV_CONFIGS[-1], True),
+                                  (fp8.GEMV_CONFIGS[-1], False))]
+    gemm_types = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32",
+                  "c_ptr": "*bf16"}
+    tiles = [(False, c) for c in (g.GEMM_CONFIGS[16][0], g.GEMM_CONFIGS[16][3], g.GEMM_CONFIGS[16][4],
+                                  g.GEMM_CONFIGS[64][-1])]
+    tiles += [(True, c) for c in (g.PRE_CONFIGS[0], g.GEMM_CONFIGS[16][3])]
+    for pre, (bm, bn, warps, stages, swap) in tiles:
+        for a8 in (False, True):
+            types = dict(gemm_types, a_ptr="*fp8e4nv" if a8 else "*fp16") if pre else gemm_types
+            out.append((g._fp8_gemm_kernel, types, dict(W8A8=a8, PRE=pre, SWAP=swap, BLOCK_M=bm, BLOCK_N=bn,
+                                                         GROUP_M=8), warps, stages))
+    for a8 in (False, True):
+        out.append((g._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if a8 else "*fp16", "s_ptr": "*fp32"},
+                    dict(W8A8=a8, GROUPS=4), 1, 1))
+    out.append((g._dequant_kernel, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"},
+                dict(BLOCK_N=16, BLOCK=256), 4, 1))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_kernels_compile_for_sm90():
+    from tp_engine.kernels import fp8_gemm
+
+    for fn, types, consts, warps, stages in _variants():
+        k = _compile(fn, types, consts, warps, stages)
+        what = f"{fn.__name__} {consts} warps={warps} stages={stages}"
+        assert k.metadata.shared <= MAX_SHARED, f"{what}: {k.metadata.shared} bytes of shared memory"
+        spills = _spills(k)
+        assert spills in (None, "STACK:0 LOCAL:0"), f"{what}: {spills}"
+        if fn is fp8_gemm._fp8_gemm_kernel:
+            assert "async_copy" in k.asm["ttgir"], f"{what}: the k-loop is not pipelined"
+            if consts["SWAP"] and consts["BLOCK_N"] >= 64:  # the weight rows fill Hopper's wgmma
+                assert "warp_group_dot" in k.asm["ttgir"], what

@@ -1,0 +1,214 @@
+"""Block-FP8 weights in the tensor-parallel linear layers (checkpoints with quant_method fp8, tp_engine/quant.py).
+
+A quantized layer keeps its weight shard in float8_e4m3fn and, beside it, the block scales of the rows and
+columns it holds, laid out so that the GPU kernels need one lookup per row and one offset per layer:
+
+- `weight_scale_inv` [R, C] (float32): the rows of each checkpoint tensor's scale grid that this rank's rows
+  touch, part after part in the local order ([q_r | k_r | v_r], [gate_r | up_r]), and the columns of the grid
+  that this rank's input columns touch. A shard that starts or ends inside a 128-block keeps that block's
+  scale: rank 1 of a 320-row part starts at checkpoint row 320 = 2.5 blocks, so its first scale row is the
+  checkpoint's third, shared with rank 0.
+- `scale_row` [N] (int32 buffer): for each local output row, its row of `weight_scale_inv`.
+- `k_shift` (int): where the local column 0 sits inside its 128-block (row-parallel shards; 0 otherwise).
+
+So the scale of local element (n, k) is weight_scale_inv[scale_row[n], (k + k_shift) // 128], whatever the
+TP size, the KV-head replication or the parts. A weight and its scales may come in any order, from any files.
+
+On CPU the weight is dequantized once after loading (`finish_loading`: weight x scale, in the compute dtype),
+and the layer is then a plain float layer. On CUDA it stays in fp8 and every matmul goes through
+kernels/fp8.py; without the fused kernels (advanced.fused_kernels off) the shard is dequantized for each call.
+The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per expert, and are dequantized
+after loading on every device: the fused MoE kernels read bf16 experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_engine.kernels import fused_ops
+from tp_engine.kernels.fp8 import dequantize
+from tp_engine.layers.linear import LinearBase, check_shape
+from tp_engine.layers.moe import FusedMoE
+from tp_engine.quant import BLOCK, FP8, QuantConfig
+
+DUMMY_STD = 0.02  # load_format dummy: weights like loader.init_dummy's, stored in fp8
+DUMMY_SCALE = 4 * DUMMY_STD / 448.0  # four standard deviations reach the largest fp8 value
+
+
+def _blocks(start: int, length: int) -> tuple[int, int]:
+    """The 128-blocks that rows (or columns) [start, start + length) touch: (first, count)."""
+    first = start // BLOCK
+    return first, (start + length + BLOCK - 1) // BLOCK - first
+
+
+class ScaleLayout:
+    """Which block scales one weight shard needs and where each of its elements finds its own (the module
+    docstring), from the shard's `row_parts` and `col_range` (layers/linear.py)."""
+
+    def __init__(self, row_parts: dict, col_range: tuple[int, int, int]) -> None:
+        n = sum(length for _, length, _, _ in row_parts.values())
+        self.scale_row = torch.empty(n, dtype=torch.int32)
+        # shard id -> (first row here, first block row of the checkpoint's grid, block rows, the grid's rows)
+        self.parts, self.rows = {}, 0
+        for shard, (offset, length, start, full) in row_parts.items():
+            first, count = _blocks(start, length)
+            self.scale_row[offset:offset + length] = torch.arange(start, start + length) // BLOCK - first + self.rows
+            self.parts[shard] = (self.rows, first, count, -(-full // BLOCK))
+            self.rows += count
+        col_start, cols, full_cols = col_range
+        self.k_shift = col_start % BLOCK
+        self.col_blocks = (*_blocks(col_start, cols), -(-full_cols // BLOCK))  # (first, count, the grid's)
+        # The largest power of two (up to 128) at whose multiples alone the scale row changes: row tiles of
+        # that height share one scale row, which the GEMV exploits.
+        changes = (self.scale_row[1:] != self.scale_row[:-1]).nonzero().flatten() + 1
+        self.row_align = BLOCK
+        for c in changes.tolist():
+            while c % self.row_align:
+                self.row_align //= 2
+
+    def empty(self, *lead: int, device: torch.device) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*lead, self.rows, self.col_blocks[1], dtype=torch.float32, device=device),
+                            requires_grad=False)
+
+    def load(self, dst: torch.Tensor, src, shard_id) -> None:
+        """This shard's rows and columns of a checkpoint tensor's scale grid [ceil(N/128), ceil(K/128)]."""
+        rows, first, count, grid_rows = self.parts[shard_id]
+        col_first, col_count, grid_cols = self.col_blocks
+        check_shape(src, (grid_rows, grid_cols))
+        dst.narrow(0, rows, count).copy_(src.narrow(0, first, count).narrow(1, col_first, col_count))
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(weight, scale, self.scale_row.to(weight.device), self.k_shift, dtype)
+
+
+def _fp8_param(old: nn.Parameter) -> nn.Parameter:
+    """An fp8 parameter in place of `old`: same shape and loader, which now insists on fp8 tensors."""
+    new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
+    load = old.weight_loader
+    new.weight_loader = lambda param, src, shard=None: load(param, _Fp8Source(src), shard)
+    new.dummy_init = _dummy_weight
+    if hasattr(old, "checkpoint_parts"):
+        new.checkpoint_parts = old.checkpoint_parts
+    return new
+
+
+def _dummy_weight(param: nn.Parameter, gen: torch.Generator) -> None:
+    w = torch.empty(param.shape, device=param.device).normal_(0.0, DUMMY_STD, generator=gen)
+    param.data.copy_((w / DUMMY_SCALE).clamp_(-448.0, 448.0))
+
+
+def _dummy_scale(param: nn.Parameter, gen: torch.Generator) -> None:
+    param.data.fill_(DUMMY_SCALE)
+
+
+class Fp8Weight:
+    """The block-FP8 storage of one linear layer's weight (the layer's `quant`): it replaces the layer's
+    `weight` by an fp8 one and adds `weight_scale_inv` and `scale_row` (layout above)."""
+
+    def __init__(self, layer: LinearBase, w8a8: bool) -> None:
+        device, self.dtype = layer.weight.device, layer.weight.dtype  # dtype: the activations'
+        self.w8a8 = w8a8
+        self.layout = layout = ScaleLayout(layer.row_parts(), layer.col_range())
+        self.k_shift, self.row_align = layout.k_shift, layout.row_align
+        layer.weight = _fp8_param(layer.weight)
+        layer.weight_scale_inv = layout.empty(device=device)
+        layer.weight_scale_inv.weight_loader = lambda param, src, shard=None: layout.load(param.data, src, shard)
+        layer.weight_scale_inv.dummy_init = _dummy_scale
+        layer.register_buffer("scale_row", layout.scale_row.to(device), persistent=False)
+        layer.quant = self
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ops = fused_ops(x.device)
+        if ops is not None:
+            y = ops.fp8_linear(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.k_shift,
+                               self.row_align, self.w8a8)
+        else:  # the torch ops: the shard in the activation dtype, for each call
+            y = F.linear(x2, self.layout.dequantize(layer.weight, layer.weight_scale_inv, x.dtype))
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def finish(self, layer: LinearBase) -> None:
+        """CPU: replace the fp8 shard and its scales by weight x scale in the compute dtype, once."""
+        weight = self.layout.dequantize(layer.weight, layer.weight_scale_inv, self.dtype)
+        del layer.weight_scale_inv, layer.scale_row
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.quant = None
+
+
+class Fp8Experts:
+    """Block-FP8 experts of a FusedMoE (per-expert tensors and scales, `{e}.gate_proj.weight_scale_inv`, ...):
+    loaded in fp8 with their scales like the dense layers, then dequantized once to the compute dtype on every
+    device, since the fused MoE kernels read bf16 experts. An FP8 MoE checkpoint so loads and runs, at the
+    speed and memory of bf16."""
+
+    def __init__(self, moe: FusedMoE) -> None:
+        n, hidden, inter, r = moe.inter, moe.hidden, moe.full_inter, moe.tp.rank
+        self.dtype = moe.gate_up_proj.dtype
+        self.layouts = {"gate_up_proj": ScaleLayout({"gate": (0, n, r * n, inter), "up": (n, n, r * n, inter)},
+                                                    (0, hidden, hidden)),
+                        "down_proj": ScaleLayout({"down": (0, hidden, 0, hidden)}, (r * n, n, inter))}
+        for name, layout in self.layouts.items():
+            weight = _fp8_param(getattr(moe, name))
+            setattr(moe, name, weight)
+            scale = layout.empty(moe.num_experts, device=weight.device)
+            scale.checkpoint_parts = [(rel + "_scale_inv", shard) for rel, shard in weight.checkpoint_parts]
+            scale.weight_loader = lambda p, src, shard, lay=layout: lay.load(p.data[shard[0]], src, shard[1])
+            scale.dummy_init = _dummy_scale
+            setattr(moe, name + "_scale_inv", scale)
+        moe.quant = self
+
+    def finish(self, moe: FusedMoE) -> None:
+        for name, layout in self.layouts.items():
+            w, s = getattr(moe, name), getattr(moe, name + "_scale_inv")
+            dense = torch.stack([layout.dequantize(w[e], s[e], self.dtype) for e in range(w.shape[0])])
+            delattr(moe, name + "_scale_inv")
+            setattr(moe, name, nn.Parameter(dense, requires_grad=False))
+        moe.quant = None
+
+
+class _Fp8Source:
+    """A checkpoint tensor view whose slices must be float8_e4m3fn (the weight of a quantized layer)."""
+
+    def __init__(self, src) -> None:
+        self.src, self.shape = src, src.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        t = self.src.narrow(dim, start, length)
+        if t.dtype != FP8:
+            raise ValueError(f"dtype {t.dtype} where quantization_config (fp8) needs float8_e4m3fn")
+        return t
+
+
+def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool) -> None:
+    """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage, except what
+    quantization_config's modules_to_not_convert names (checkpoint names: a fused layer is skipped when all its
+    parts are)."""
+    packed = getattr(model, "packed_modules", {})
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            if not quant.skips(name):
+                Fp8Experts(module)
+            continue
+        if not isinstance(module, LinearBase):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        names = [f"{parent}.{ckpt}" for ckpt, (ours, _) in packed.items() if ours == leaf] or [name]
+        skipped = [quant.skips(n) for n in names]
+        if all(skipped):
+            continue
+        if any(skipped):
+            raise ValueError(f"quantization_config.modules_to_not_convert names only some of {', '.join(names)}; "
+                             "they run as one matmul here and must be quantized alike")
+        Fp8Weight(module, w8a8)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """After the weights are in: on CPU each quantized weight becomes weight x scale in the compute dtype (then
+    the CPU path is the unquantized one, on the dequantized weights); FP8 experts so on every device."""
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, Fp8Experts) or (isinstance(quant, Fp8Weight) and not module.weight.is_cuda):
+            quant.finish(module)
