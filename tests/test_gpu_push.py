@@ -237,17 +237,19 @@ from tp_engine.kernels import norm
 
 dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 tp = comm.init_distributed(dev)
-assert comm.enable_fast_all_reduce(tp, torch.bfloat16) == "push"
+assert comm.enable_fast_all_reduce(tp, torch.bfloat16, timeout_s=60.0) == "push"  # a stuck wait fails within the test
 fast = _FAST_AR[tp.group]
 g = torch.Generator(device=dev).manual_seed(tp.rank)
-random.seed(1234)  # the same sizes on both ranks; the skew differs
+random.seed(1234)  # the same sizes on both ranks
 with torch.inference_mode():
     for call in range(4000):  # many calls, random sizes, one rank or the other held back
         n = random.choice([1, 7, 512, 4096, 5000, 65536, 262144])
         x = torch.randn(n, device=dev, generator=g).to(torch.bfloat16)
-        late = random.random() < 0.3 and random.randrange(2) == tp.rank
-        if late:
-            torch.cuda._sleep(random.choice([10_000, 200_000]))
+        # every rank draws the same numbers in the same order, so the sizes stay equal; only the rank
+        # named by `who` waits
+        held, who, cycles = random.random() < 0.3, random.randrange(2), random.choice([10_000, 200_000])
+        if held and who == tp.rank:
+            torch.cuda._sleep(cycles)
             if call % 50 == 0:
                 time.sleep(0.002)
         ref = x.clone()
