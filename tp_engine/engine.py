@@ -173,7 +173,10 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # resolves the token references inside the graph
-        batch.input_ids = self.resolve(batch.input_ids)  # decode rows of a mixed step reference tokens too
+        # references to the previous step's tokens are in decode rows, which lead a mixed step with one token each
+        lead = next((i for i, n in enumerate(batch.extend_lens) if n != 1), batch.size)
+        if lead:
+            self.resolve(batch.input_ids[:lead])  # in place
         self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
