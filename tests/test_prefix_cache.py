@@ -109,3 +109,28 @@ def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
     assert [line["output_token_ids"] for line in lines] == reference
     summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
     assert summary["cached_prompt_tokens"] == sum(line["cached_prompt_tokens"] for line in lines) > 0
+
+
+def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
+    """launch/bench.py's prefix-cache and long-prompt workloads, on the demo model's shapes with small sizes."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ROOT / "configs" / "models" / "demo"),
+           "--workload", "shared_prefix,long_prompt", "--engine", "ours", "--set", "device=cpu",
+           "--set", "max_prefill_tokens=48", "--num-requests", "6", "--prefix-len", "40", "--suffix-min", "3",
+           "--suffix-max", "9", "--shared-new-tokens", "4", "--long-len", "200", "--long-decoders", "4",
+           "--prompt-len", "8", "--long-decode-tokens", "24", "--long-after", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    shared = res["shared_prefix"]
+    assert shared["off"]["cached_prompt_tokens"] == 0 and shared["on"]["cached_prompt_tokens"] == 5 * 32
+    assert shared["on"]["output_tokens"] == shared["off"]["output_tokens"] == 24 and shared["speedup"] > 0
+    long = res["long_prompt"]
+    assert long["chunked"]["max_prefill_tokens"] == 48 and long["unchunked"]["max_prefill_tokens"] == 204
+    # chunked: the decoders keep producing tokens in the steps that compute the long prompt
+    assert long["chunked"]["decode_tokens_while_prefilling"] > long["unchunked"]["decode_tokens_while_prefilling"]

@@ -103,3 +103,11 @@ class PagePool:
             if self.refs[page]:
                 self.refs[page] = 1
                 self.release([page])
+
+    def clear(self) -> None:
+        """Forget every reference and every cached page."""
+        self.reset_refs()
+        self.free.extend(reversed(self.lru))
+        self.lru.clear()
+        self.page_of.clear()
+        self.key_of.clear()
