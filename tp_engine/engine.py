@@ -255,6 +255,7 @@ class Engine:
         except BaseException:
             # Raised between steps (a callback, the scheduler): the other ranks are done with every step
             # issued so far, so the stop message brings all of them back, in step, before this one re-raises.
+            self.pool.clear()  # a step planned but never issued would leave pages registered but unwritten
             if self.broken is None:
                 self.release_followers()
             raise
