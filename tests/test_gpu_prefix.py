@@ -57,7 +57,11 @@ def test_chunked_prefill_equals_unchunked(tiny_ckpt, hf_ref):
     out = {}
     for chunk in (12, 8192):
         m = llm(tiny_ckpt, max_prefill_tokens=chunk, prefix_cache=False)
+        replays = []
+        run = m.engine.graphs.run
+        m.engine.graphs.run = lambda batch: replays.append(batch.size) or run(batch)
         out[chunk] = generate(m, prompts, max_new_tokens=8)
+        assert replays, "pure decode steps must run as CUDA graphs"
         del m
         torch.cuda.empty_cache()
     assert out[12] == out[8192]
