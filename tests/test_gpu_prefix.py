@@ -6,6 +6,12 @@ with transformers up to near ties. Every test needs a CUDA GPU (marker `gpu`) an
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -108,6 +114,32 @@ def test_flashinfer_mixed_step_over_shared_pages_matches_torch():
         outs[name] = backend.forward(0, q, k, v, caches[name], batch)
     assert torch.equal(caches["fi"].data, caches["ref"].data)
     torch.testing.assert_close(outs["fi"].float(), outs["ref"].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_prefix_cache_and_chunks_equal_plain_run(tiny_ckpt, hf_ref, tmp_path):
+    """TP=2 over NCCL: shared pages and chunks of 12 tokens give the tokens of a run without either; only
+    rank 0 holds the cache, the other rank follows the page-table changes in the step messages."""
+    needs_flashinfer()
+    runs = {}
+    for name, extra in (("on", {"max_prefill_tokens": 12}), ("off", {"prefix_cache": False})):
+        cfg = {"model": tiny_ckpt, "prompts": [{"input_ids": p} for p in SHARED], "max_batch_size": 8,
+               "output": str(tmp_path / f"{name}.jsonl"), "sampling": {"max_new_tokens": 8, "ignore_eos": True},
+               "kv_cache": {"num_pages": 256, "page_size": 8}, "cuda_graph_max_batch": 8, **extra}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(json.dumps(cfg))  # JSON is YAML
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "launch/generate.py", "--config", str(path), "--quiet"]
+        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=150, env=dict(os.environ))
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[name] = [json.loads(x) for x in Path(cfg["output"]).read_text().splitlines()]
+    assert sum(o["cached_prompt_tokens"] for o in runs["on"]) > 0
+    assert all(o["cached_prompt_tokens"] == 0 for o in runs["off"])
+    on, off = ([o["output_token_ids"] for o in runs[k]] for k in ("on", "off"))
+    assert on == off
+    assert_parity(hf_ref, SHARED, on, [hf_greedy(hf_ref, [p], 8)[0] for p in SHARED])
 
 
 def _params(**kw):
