@@ -12,6 +12,15 @@ Workloads (comma-separated, or `all`):
   throughput  256 requests, prompt and output lengths uniform in [100, 1024], temperature 0.6, ignore_eos,
               fixed seed: output tok/s over the whole run (after a warm-up), TTFT and TPOT percentiles
   load        with --write-checkpoint: seconds to build the engine from the safetensors on disk
+  shared_prefix  --num-requests requests: one --prefix-len (2,000) token prefix + U[--suffix-min, --suffix-max]
+              ([100, 300]) unique tokens, --shared-new-tokens (128) new, temperature 0.6: the same requests with
+              the prefix cache off, then on (emptied before each); output tok/s, TTFT, cached prompt tokens of
+              both, and the ratio on/off (`speedup`)
+  long_prompt --long-decoders (64) requests decode; once the first has --long-after (16) tokens, one
+              --long-len (32,000) token prompt arrives: its TTFT and the decoders' time per output token
+              (p50/p99) while it prefills, with chunks of max_prefill_tokens (`chunked`), then with the
+              whole prompt in one step (`unchunked`, max_prefill_tokens above its length)
+  (shared_prefix and long_prompt are not part of `all`.)
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
 workloads: the same latency request (--hf-new-tokens new tokens), and for throughput the first
@@ -78,6 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-new-tokens", type=int, default=None, help="HF latency run length (default --new-tokens)")
     p.add_argument("--hf-requests", type=int, default=32, help="HF throughput: this many requests as one batch")
     p.add_argument("--hf-max-new", type=int, default=128, help="HF throughput: new tokens per request (capped)")
+    p.add_argument("--prefix-len", type=int, default=2000, help="shared_prefix: tokens of the shared prefix")
+    p.add_argument("--suffix-min", type=int, default=100, help="shared_prefix: fewest unique tokens per request")
+    p.add_argument("--suffix-max", type=int, default=300, help="shared_prefix: most unique tokens per request")
+    p.add_argument("--shared-new-tokens", type=int, default=128, help="shared_prefix: new tokens per request")
+    p.add_argument("--long-len", type=int, default=32000, help="long_prompt: tokens of the long prompt")
+    p.add_argument("--long-decoders", type=int, default=64, help="long_prompt: requests decoding when it arrives")
+    p.add_argument("--long-after", type=int, default=16, help="long_prompt: it arrives after this many decode tokens")
+    p.add_argument("--long-decode-tokens", type=int, default=256, help="long_prompt: new tokens per decoder")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
     # measuring only; the engine's own switches are config keys (--set advanced.all_reduce=nccl and the like)
     p.add_argument("--push-chunk", type=int, default=None, metavar="N",
@@ -477,6 +494,90 @@ def bench_throughput(engine: Engine, args, res: dict) -> None:
     }
 
 
+def bench_shared_prefix(engine: Engine, args, res: dict) -> None:
+    """The same requests with the prefix cache off, then on; the cache is emptied before each run."""
+    vocab, pool = engine.model_cfg.vocab_size, engine.pool  # the pool is rank 0's; the others follow
+
+    def make(base: int, n: int) -> list[Request]:
+        rng = random.Random(args.seed + 7)
+        prefix = random_ids(rng, args.prefix_len, vocab)
+        return [Request(base + k, prefix + random_ids(rng, rng.randint(args.suffix_min, args.suffix_max), vocab),
+                        SamplingParams(temperature=args.temperature, max_new_tokens=args.shared_new_tokens,
+                                       ignore_eos=True, seed=args.seed)) for k in range(n)]
+
+    run_requests(engine, make(10_000, 8))  # warm-up
+    out = {}
+    for cache in (False, True):
+        if pool is not None:
+            pool.clear()
+            pool.enabled = cache
+        reqs, first = make(0, args.num_requests), {}
+
+        def on_token(r):
+            first.setdefault(r.index, time.perf_counter())
+
+        t0 = time.perf_counter()
+        run_requests(engine, reqs, on_token)
+        wall = time.perf_counter() - t0
+        if engine.tp.is_first:
+            n_out = sum(len(r.output_ids) for r in reqs)
+            ttft = [first[r.index] - t0 for r in reqs]
+            out["on" if cache else "off"] = {
+                "output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
+                "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "output_tokens": n_out,
+                "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in reqs),
+                "ttft_s": {f"p{q}": round(pct(ttft, q), 4) for q in (50, 99)}, "preempted": engine.num_preempted}
+    if pool is not None:
+        pool.enabled = engine.cfg["prefix_cache"]
+    if engine.tp.is_first:
+        out["speedup"] = round(out["on"]["output_tok_s"] / out["off"]["output_tok_s"], 3)
+        res["shared_prefix"] = out
+
+
+def bench_long_prompt(engine: Engine, args, res: dict) -> None:
+    """Decoders run; a long prompt arrives: its TTFT and their time per token while it prefills, chunked and not."""
+    vocab, chunk = engine.model_cfg.vocab_size, engine.cfg["max_prefill_tokens"]
+    warm = random_ids(random.Random(args.seed), min(args.long_len, 2048), vocab)
+    run_requests(engine, [Request(0, warm, SamplingParams(max_new_tokens=4, ignore_eos=True))])
+    out = {}
+    for label, budget in (("chunked", chunk), ("unchunked", args.long_len + args.long_decoders)):
+        engine.cfg["max_prefill_tokens"] = budget  # read by the next run's scheduler, on rank 0
+        rng = random.Random(args.seed + 11)
+        decoders = [Request(k, random_ids(rng, args.prompt_len, vocab),
+                            SamplingParams(temperature=args.temperature, max_new_tokens=args.long_decode_tokens,
+                                           ignore_eos=True, seed=args.seed)) for k in range(args.long_decoders)]
+        long = Request(args.long_decoders, random_ids(rng, args.long_len, vocab),
+                       SamplingParams(max_new_tokens=4, ignore_eos=True))
+        times: dict[int, list[float]] = {r.index: [] for r in decoders}
+        arrived, answered, scheds = [], [], []
+        new_scheduler = engine.new_scheduler
+        engine.new_scheduler = lambda: scheds.append(new_scheduler()) or scheds[-1]
+
+        def on_token(r):
+            now = time.perf_counter()
+            if r is long:
+                answered.append(now)
+                return
+            times[r.index].append(now)
+            if not arrived and len(r.output_ids) >= args.long_after:
+                scheds[0].add(long)  # arrives while the decoders run
+                arrived.append(now)
+
+        try:
+            run_requests(engine, decoders, on_token)
+        finally:
+            del engine.new_scheduler
+        if engine.tp.is_first:
+            t0, t1 = arrived[0], answered[0]
+            gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:]) if b > t0 and a < t1]
+            out[label] = {"max_prefill_tokens": budget, "long_ttft_s": round(t1 - t0, 4),
+                          "decode_tpot_ms_while_prefilling": {f"p{q}": round(pct(gaps, q) * 1e3, 3) for q in (50, 99)},
+                          "decode_tokens_while_prefilling": len(gaps)}
+    engine.cfg["max_prefill_tokens"] = chunk
+    if engine.tp.is_first:
+        res["long_prompt"] = {"long_len": args.long_len, "decoders": args.long_decoders, **out}
+
+
 # ---- HF transformers on the same workloads ----
 
 def hf_model(model_dir: str, ckpt: str | None, tp: int):
@@ -599,6 +700,10 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
             host_profile(engine, args, res)
     if "throughput" in workloads:
         bench_throughput(engine, args, res)
+    if "shared_prefix" in workloads:
+        bench_shared_prefix(engine, args, res)
+    if "long_prompt" in workloads:
+        bench_long_prompt(engine, args, res)
     if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
         if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket

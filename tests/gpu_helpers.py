@@ -42,6 +42,18 @@ def memorize(model, path, steps: int = 80) -> str:
     return str(path)
 
 
+def tiny_memorized(path) -> str:
+    """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows SEQUENCES; bf16, at `path`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return memorize(Qwen3ForCausalLM(cfg), path)
+
+
 def llm(ckpt: str, **options):
     from tp_engine.llm import LLM
     opts = dict(kv_cache={"num_pages": 256}, max_batch_size=8, cuda_graph_max_batch=8, seed=0)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, memorize,
-                         needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
+                         tiny_memorized)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -29,14 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
     """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows gpu_helpers.SEQUENCES; bf16."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    return memorize(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3"))
+    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 @pytest.fixture(scope="session")

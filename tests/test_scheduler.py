@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from tp_engine.sampler import SamplingParams
-from tp_engine.scheduler import Request, Scheduler, decode_message
+from tp_engine.page_pool import PagePool
+from tp_engine.scheduler import Request, Scheduler
+from tp_engine.step_message import PageTables, decode_message
 
 V, EOS = 50, 7
 
@@ -16,7 +18,8 @@ def next_token(token: int, position: int) -> int:
 
 
 def drive(lagged: bool, num_pages: int, max_batch: int = 8) -> tuple[list[Request], int]:
-    sched = Scheduler(num_pages, 4, max_batch, 64, num_pages * 4, (EOS,))
+    sched = Scheduler(PagePool(num_pages, 4), max_batch, 64, num_pages * 4, (EOS,))
+    tables = PageTables()
     prompts = [[1, 2, 3], [4] * 9, [9, 8], [11, 12, 13, 14, 15, 16], [20]]
     reqs = [Request(i, p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=i % 2 == 0))
             for i, p in enumerate(prompts)]
@@ -28,7 +31,7 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8) -> tuple[list[Reques
         plan = sched.schedule()
         issued = None
         if plan.reqs:
-            batch = decode_message(sched.issue(plan), torch.device("cpu"))
+            batch = decode_message(sched.issue(plan), torch.device("cpu"), tables)
             ids = [t if t >= 0 else device_tokens[-1 - t] for t in batch.input_ids.tolist()]
             pos = batch.positions.tolist()
             rows = batch.last_indices.tolist()
@@ -43,7 +46,7 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8) -> tuple[list[Reques
             sched.update(*inflight)
         inflight = issued
     assert all(r.pending == 0 and not r.pages for r in reqs)
-    assert sched.alloc.num_free == num_pages
+    assert sched.pool.num_free == num_pages
     return reqs, sched.num_preempted
 
 
@@ -64,7 +67,7 @@ def test_overlapped_steps_equal_one_at_a_time(num_pages):
 
 def test_length_limit_is_not_overrun():
     """A request whose in-flight token is its last is left out of the next step."""
-    sched = Scheduler(16, 4, 4, 64, 64, ())
+    sched = Scheduler(PagePool(16, 4), 4, 64, 64, ())
     r = Request(0, [1, 2], SamplingParams(max_new_tokens=2))
     sched.add(r)
     first = sched.schedule()
@@ -95,9 +98,8 @@ def test_engine_issues_the_next_step_before_reading_tokens(tmp_path):
 
 
 def test_page_table_holds_exactly_each_requests_pages():
-    """kv_cache.page_table, the one page table all attention backends read: from the step message's
-    concatenated tables when they hold exactly the pages in use, else from per-request tables (which may
-    hold a page more than the tokens need)."""
+    """kv_cache.page_table, the one page table all attention backends read, from per-request tables (which
+    may hold a page more than the tokens need)."""
     import numpy as np
 
     from tp_engine.context import Batch
@@ -106,11 +108,10 @@ def test_page_table_holds_exactly_each_requests_pages():
     seq, tables = [9, 1, 4, 13], [[7, 2, 5], [0], [3], [8, 1, 6, 4]]  # page size 4
     longer = [t + [99] for t in tables]
     z = torch.zeros(0, dtype=torch.int64)
-    for tabs in (tables, longer):
-        for flat in (torch.tensor([p for t in tabs for p in t]), None):
-            batch = Batch(False, z, z, z, seq, [1] * 4, tabs, z, page_ids=flat)
-            indptr, ids, last = page_table(batch, 4)
-            assert indptr.dtype == ids.dtype == last.dtype == np.int32
-            assert indptr.tolist() == [0, 3, 4, 5, 9]
-            assert ids.tolist() == [7, 2, 5, 0, 3, 8, 1, 6, 4]
-            assert last.tolist() == [1, 1, 4, 1]
+    for tabs in (tables, longer, [np.array(t, dtype=np.int32) for t in longer]):
+        batch = Batch(False, z, z, z, seq, [1] * 4, tabs, z)
+        indptr, ids, last = page_table(batch, 4)
+        assert indptr.dtype == ids.dtype == last.dtype == np.int32
+        assert indptr.tolist() == [0, 3, 4, 5, 9]
+        assert ids.tolist() == [7, 2, 5, 0, 3, 8, 1, 6, 4]
+        assert last.tolist() == [1, 1, 4, 1]

@@ -151,7 +151,8 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
     errors = sum(o["finish_reason"] == "error" for o in outputs)
     summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
-               "output_tokens": n_out, "errors": errors,
+               "output_tokens": n_out, "cached_prompt_tokens": sum(o["cached_prompt_tokens"] for o in outputs),
+               "errors": errors,
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
         summary["preempted"] = llm.engine.num_preempted

@@ -71,7 +71,9 @@ SCHEMA: dict[str, Key] = {
     "cuda_graph": Key(_BOOL, True, "capture decode steps in CUDA graphs (CUDA only)"),
     "cuda_graph_max_batch": Key(_INT, 256, "largest decode batch captured in a CUDA graph", check=_positive),
     "max_batch_size": Key(_INT, 256, "most requests in one decode batch", check=_positive),
-    "max_prefill_tokens": Key(_INT, 8192, "most prompt tokens in one prefill batch (a longer prompt runs alone)", check=_positive),
+    "max_prefill_tokens": Key(_INT, 8192, "most tokens in one step, decode rows (one token each) included; a longer "
+                              "prompt is computed in chunks across steps while the others decode", check=_positive),
+    "prefix_cache": Key(_BOOL, True, "share the KV pages of prompt prefixes between requests and generate calls"),
     "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=_positive),
     "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),
     "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: from free GPU memory on CUDA, on CPU up to 1 GiB per rank", check=_positive),

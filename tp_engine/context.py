@@ -21,10 +21,9 @@ class Batch:
     out_loc: torch.Tensor  # [N] flat KV slot (page * page_size + offset) each new token is written to
     seq_lens: list[int]  # [B] KV length of each request after this step
     extend_lens: list[int]  # [B] new tokens of each request in this step
-    page_tables: list[list[int]]  # [B] pages of each request, in order
+    page_tables: list  # [B] pages of each request, in order (int32 arrays: step_message.PageTables)
     last_indices: torch.Tensor  # [B] row of each request's last token in the packed N rows
     plan: dict[str, Any] = field(default_factory=dict)  # what the attention backend prepared for this batch
-    page_ids: torch.Tensor | None = None  # CPU int64: page_tables concatenated (set by decode_message)
 
     @property
     def size(self) -> int:

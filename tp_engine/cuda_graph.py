@@ -60,8 +60,9 @@ class GraphRunner:
         self.v_rows = torch.zeros(M, dtype=torch.int64, device=dev)
         self.last_indices = torch.arange(M, device=dev)
         # flashinfer's page table, [indptr (M + 1) | last page lengths (M) | page ids], in one device buffer
-        # filled by one copy per step: every page of the pool at most once, plus a scratch page per padded row
-        most = min(self.kv.num_pages, M * pages_for(engine.max_model_len, S)) + M
+        # filled by one copy per step: each row's pages (a page shared by several requests is listed for each), plus
+        # a scratch page per padded row
+        most = M * pages_for(engine.max_request_len, S) + M
         self.meta = torch.zeros(2 * M + 1 + most, dtype=torch.int32, device=dev)
         self.host_meta = np.zeros(self.meta.numel(), dtype=np.int32)
         self.indptr_buf, self.last_buf, self.indices_buf = self.meta[:M + 1], self.meta[M + 1:2 * M + 1], \

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from tp_engine import comm, kernels
-from tp_engine.attention import make_backend
+from tp_engine.attention import check_backend, make_backend
 from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
@@ -27,7 +27,9 @@ from tp_engine.model_config import ModelConfig
 from tp_engine.models import build_model
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.sampler import sample
-from tp_engine.scheduler import Plan, Request, Scheduler, decode_message, stop_message
+from tp_engine.page_pool import PagePool
+from tp_engine.scheduler import Plan, Request, Scheduler
+from tp_engine.step_message import PageTables, decode_message, stop_message
 
 log = logging.getLogger("tp_engine")
 
@@ -48,17 +50,6 @@ def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
     if device.type == "cpu":
         return "float32"
     return mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
-
-
-def check_backend(name: str, device: torch.device) -> None:
-    if name == "flashinfer" and device.type != "cuda":
-        raise ValueError("attention_backend flashinfer needs device cuda; use torch (or auto) on CPU")
-    if device.type == "cuda" and name in ("auto", "flashinfer"):
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
-            raise ValueError("flashinfer is not installed (pip install -e '.[gpu]'); "
-                             "or set attention_backend: torch") from None
 
 
 class Engine:
@@ -97,6 +88,9 @@ class Engine:
                                  max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
         # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
         self.last_tokens = torch.zeros(cfg["max_batch_size"], dtype=torch.int64, device=device)
+        self.tables = PageTables()  # every running request's pages, kept in step by the step messages
+        # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
+        self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
         self.graphs = None
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
         if device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
@@ -179,8 +173,10 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # resolves the token references inside the graph
-        if not batch.is_prefill:
-            batch.input_ids = self.resolve(batch.input_ids)
+        # references to the previous step's tokens are in decode rows, which lead a mixed step with one token each
+        lead = next((i for i, n in enumerate(batch.extend_lens) if n != 1), batch.size)
+        if lead:
+            self.resolve(batch.input_ids[:lead])  # in place
         self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
@@ -202,8 +198,9 @@ class Engine:
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
+        self.tables.clear()
         with self._shared_step():
-            while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device)) is not None:
+            while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device, self.tables)) is not None:
                 self.forward(batch)
                 self.share_tokens(None, batch.size)
 
@@ -227,8 +224,10 @@ class Engine:
 
     def new_scheduler(self) -> Scheduler:
         c = self.cfg
-        return Scheduler(self.kv.num_pages, self.kv.page_size, c["max_batch_size"], c["max_prefill_tokens"],
-                         self.max_request_len, self.model_cfg.eos_token_ids)
+        self.pool.reset_refs()  # a run that ended early may have left references behind
+        self.tables.clear()
+        return Scheduler(self.pool, c["max_batch_size"], c["max_prefill_tokens"], self.max_request_len,
+                         self.model_cfg.eos_token_ids)
 
     def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
             on_finish: Callable[[Request], None] | None = None) -> None:
@@ -256,6 +255,7 @@ class Engine:
         except BaseException:
             # Raised between steps (a callback, the scheduler): the other ranks are done with every step
             # issued so far, so the stop message brings all of them back, in step, before this one re-raises.
+            self.pool.clear()  # a step planned but never issued would leave pages registered but unwritten
             if self.broken is None:
                 self.release_followers()
             raise
@@ -273,7 +273,7 @@ class Engine:
         reqs = plan.reqs
         seeds = [r.params.seed * 1_000_003 + r.index for r in reqs]
         steps = [r.num_outputs for r in reqs]  # the output index each request samples now
-        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device)
+        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device, self.tables)
         logits = self.forward(batch)
         tokens = self.share_tokens(sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps), len(reqs))
         if tokens.is_cuda:

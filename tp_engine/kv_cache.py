@@ -1,4 +1,5 @@
-"""Paged KV cache: one pool of fixed-size pages per layer, a page allocator and per-request page tables.
+"""Paged KV cache: one pool of fixed-size pages per layer, and the step's page table every backend reads
+(page ownership and the prefix cache: page_pool.py; the per-rank page tables: step_message.py).
 
 Layout per layer is flashinfer's paged NHD layout: [num_pages, 2 (K, V), page_size, kv_heads_per_rank, head_dim].
 """
@@ -33,25 +34,6 @@ class KVCache:
         cache[page, 1, slot] = v
 
 
-class PageAllocator:
-    """Hands out page ids; rank 0 owns it, other ranks only see the ids in each step's message."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self.free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id first
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def alloc(self, n: int) -> list[int]:
-        assert n <= len(self.free), f"asked for {n} KV pages, {len(self.free)} free"
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
-
-
 def pages_for(tokens: int, page_size: int) -> int:
     return (tokens + page_size - 1) // page_size
 
@@ -61,15 +43,14 @@ def page_table(batch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
     indptr [B + 1]: request i's pages are ids[indptr[i]:indptr[i + 1]]; ids: the pages that hold each
     request's `seq_lens[i]` tokens, in order, requests one after the other; last [B]: tokens in each
-    request's last page. `batch` is a context.Batch: `seq_lens`, `page_tables`, and `page_ids`, the tables
-    concatenated as decode_message got them (used as they are when they hold exactly the pages in use)."""
+    request's last page. `batch` is a context.Batch: `seq_lens`, and `page_tables`, each request's pages
+    (arrays or lists, which may hold more pages than its tokens need)."""
     seq = np.asarray(batch.seq_lens, dtype=np.int32)
     npages = (seq + page_size - 1) // page_size
-    flat = batch.page_ids
-    if flat is not None and flat.numel() == int(npages.sum()):
-        ids = flat.numpy().astype(np.int32)
+    if len(seq):
+        ids = np.concatenate([np.asarray(t[:n], dtype=np.int32) for t, n in zip(batch.page_tables, npages.tolist())])
     else:
-        ids = np.asarray([p for t, n in zip(batch.page_tables, npages.tolist()) for p in t[:n]], dtype=np.int32)
+        ids = np.zeros(0, dtype=np.int32)
     indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(npages, out=indptr[1:])
     return indptr, ids, seq - (npages - 1) * page_size

@@ -144,7 +144,7 @@ class LLM:
     def output(self, req: Request) -> dict:
         out = {"index": req.index, "prompt_token_ids": req.prompt_ids, "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
-               "finish_reason": req.finish_reason}
+               "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}
         if req.error is not None:
             out["error"] = req.error
         return out

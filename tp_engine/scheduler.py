@@ -1,8 +1,18 @@
-"""Continuous batching on rank 0: admit requests as KV pages allow, decode the running ones, retire the
-finished, preempt (and later recompute) the newest when pages run out.
+"""Continuous batching on rank 0: decode the running requests, fill the rest of the step's token budget with
+prompt chunks, retire the finished, preempt (and later recompute) the newest when pages run out.
 
-Each step is encoded as one int64 message that rank 0 broadcasts; every rank decodes the same `Batch`
-from it, so the batch order is identical everywhere and the other ranks need no scheduler state.
+A step is a list of rows, one per request: a decode row (one token) or a prompt chunk. The policy
+(docs/architecture.md): every decoding request gets its row first, one token of `max_prefill_tokens`
+each; the request still prefilling, then waiting requests in order, fill what is left. Only the last
+prompt row of a step may stop short of its prompt's end (at most one request is part-way through its
+prompt), and such a row's sampled token is ignored. A step with a prompt row is a prefill-type forward;
+a step of decode rows only is a decode step (CUDA graphs).
+
+At admission a request takes the cached pages holding the longest prefix of its tokens (page_pool.py)
+and computes only the rest; at least its last token is always computed, for its logits, so the page
+holding that token is never a shared one. Pages a prompt row fills are registered when they are
+allocated, so a request admitted later in the same step already shares them: in the forward every layer
+writes all of the step's new K/V before it attends.
 
 Rank 0 plans step k+1 while the GPU still runs step k, so a request's newest token may not be known on
 the host yet (`pending`). The message then names it by its row in step k's sampled tokens, which stay on
@@ -14,14 +24,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from tp_engine.context import Batch
-from tp_engine.kv_cache import PageAllocator, pages_for
+from tp_engine.kv_cache import pages_for
+from tp_engine.page_pool import ROOT_KEY, PagePool, page_key
 from tp_engine.sampler import SamplingParams
-
-STOP, STEP = 0, 1
+from tp_engine.step_message import encode_step
 
 
 def ref_token(row: int) -> int:
@@ -42,7 +50,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str | None = None
-    pages_cache: tuple | None = field(default=None, repr=False)  # see _page_array
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (at the last admission)
+    slot: int = -1  # the request's page table on every rank (step_message.PageTables)
+    sent_pages: int = 0  # how many of `pages` the other ranks' table of this slot holds
+    keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of its first full pages
 
     @property
     def all_ids(self) -> list[int]:
@@ -58,27 +69,54 @@ class Request:
         """Output tokens including those still on the device."""
         return len(self.output_ids) + self.pending
 
+    @property
+    def todo(self) -> int:
+        """Tokens whose K/V are still to be computed (the pending one included)."""
+        return self.num_tokens + self.pending - self.num_cached
+
+    @property
+    def decoding(self) -> bool:
+        return self.todo == 1 and self.num_cached >= len(self.prompt_ids)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """all_ids[start:start + n] without building all_ids."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P:start - P + n]
+        if start + n <= P:
+            return self.prompt_ids[start:start + n]
+        return self.prompt_ids[start:] + self.output_ids[:start + n - P]
+
 
 @dataclass
 class Plan:
-    is_prefill: bool
+    is_prefill: bool  # a prompt row is in the step
     reqs: list[Request]
+    lens: list[int] = field(default_factory=list)  # tokens of each row
+    samples: list[bool] = field(default_factory=list)  # whether each row's sampled token is kept
+
+    def __post_init__(self) -> None:
+        if not self.lens:
+            self.lens, self.samples = [1] * len(self.reqs), [True] * len(self.reqs)
 
 
 class Scheduler:
-    def __init__(self, num_pages: int, page_size: int, max_batch_size: int, max_prefill_tokens: int,
-                 max_request_len: int, eos_ids: tuple[int, ...]) -> None:
-        self.alloc = PageAllocator(num_pages)
-        self.page_size, self.max_batch, self.max_prefill = page_size, max_batch_size, max_prefill_tokens
+    def __init__(self, pool: PagePool, max_batch_size: int, max_prefill_tokens: int, max_request_len: int,
+                 eos_ids: tuple[int, ...]) -> None:
+        self.pool, self.page_size = pool, pool.page_size
+        self.max_batch, self.max_prefill = max_batch_size, max_prefill_tokens
         # A request never grows past what the pool holds alone, so the oldest request can always progress.
         self.max_len = max_request_len
         self.eos_ids = set(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the end
+        self.dropped: list[int] = []  # slots whose page tables the next message deletes
         self.num_preempted = 0
+        self._slots = 0
 
     def add(self, req: Request) -> None:
         assert len(req.prompt_ids) < self.max_len, "prompt length is checked before add()"
+        req.slot, self._slots = self._slots, self._slots + 1
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -87,76 +125,123 @@ class Scheduler:
     # ---- deciding a step ----
 
     def schedule(self) -> Plan:
-        admitted, budget = [], self.max_prefill
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+        self._grow_for_decode()
+        plan = Plan(False, [], [], [])
+        for r in self.running:
+            if r.decoding and not self.done_by_length(r):
+                self._add_row(plan, r, 1)
+        budget = self.max_prefill - len(plan.reqs)
+        unfinished = False  # a running request's prompt does not end in this step
+        for r in self.running:  # the request part-way through its prompt, if any
+            if not r.decoding:
+                n = self._prompt_row(plan, r, budget) if budget > 0 else 0
+                budget -= n
+                unfinished = unfinished or n < r.todo
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch and not unfinished:
             req = self.waiting[0]
             if req.pending:  # preempted while its last token was in flight: admit once that token is here
                 break
-            n = len(req.all_ids)
-            if admitted and n > budget:
+            if not self._admit(req):
                 break
-            # Keep a page per running request in reserve, so admitting this one does not force a
-            # preemption at the next decode step (a preempted request recomputes its whole prefix).
-            need = pages_for(n, self.page_size)
-            if need > self.alloc.num_free - len(self.running) - len(admitted):
-                break
-            req.pages = self.alloc.alloc(need)
-            admitted.append(self.waiting.popleft())
+            self.running.append(self.waiting.popleft())
+            n = self._prompt_row(plan, req, budget)
             budget -= n
-        if admitted:
-            self.running.extend(admitted)
-            return Plan(True, admitted)
-        self._grow_for_decode()
-        return Plan(False, [r for r in self.running if not self.done_by_length(r)])
+            unfinished = not plan.samples[-1] if n else True
+        return plan
 
     def done_by_length(self, r: Request) -> bool:
         """True when the tokens already sampled (some perhaps still in flight) end `r` by length."""
         return r.num_outputs >= r.params.max_new_tokens or r.num_tokens + r.pending >= self.max_len
 
+    def _available(self) -> int:
+        """Pages a prompt may take: one per running request stays in reserve, so that taking them does not
+        force a preemption at the next decode step (a preempted request recomputes its whole prefix)."""
+        return self.pool.num_free - len(self.running)
+
+    def _admit(self, req: Request) -> bool:
+        """Take the cached prefix of `req`; True when the pages for the rest of its tokens are free now."""
+        n, S = req.num_tokens, self.page_size
+        req.pages, req.keys = self.pool.match(req.all_ids, (n - 1) // S)  # never the page of the last token
+        req.num_cached = len(req.pages) * S
+        if pages_for(n, S) - len(req.pages) > self._available():
+            self._free_pages(req)
+            return False
+        req.cached_prompt_tokens = min(req.num_cached, len(req.prompt_ids))
+        return True
+
+    def _prompt_row(self, plan: Plan, r: Request, budget: int) -> int:
+        """Add the next chunk of `r`'s prompt (at most `budget` tokens, as pages allow); returns its length."""
+        S = self.page_size
+        room = (len(r.pages) + max(self._available() + 1, 0)) * S - r.num_cached  # r's own reserve page too
+        n = min(r.todo, budget, room)
+        if n <= 0:
+            return 0
+        r.pages += self.pool.alloc(pages_for(r.num_cached + n, S) - len(r.pages))
+        self._add_row(plan, r, n)
+        plan.is_prefill = True
+        key = r.keys[-1] if r.keys else ROOT_KEY
+        for i in range(len(r.keys), (r.num_cached + n) // S):  # pages this row fills: findable from now on
+            key = page_key(key, r.tokens(i * S, S))
+            self.pool.register(r.pages[i], key)
+            r.keys.append(key)
+        return n
+
+    def _add_row(self, plan: Plan, r: Request, n: int) -> None:
+        plan.reqs.append(r)
+        plan.lens.append(n)
+        plan.samples.append(r.num_cached + n == r.num_tokens + r.pending)
+
     def _grow_for_decode(self) -> None:
-        """Every running request needs a slot for one more token; preempt the newest when pages run out."""
+        """Every decoding request needs a slot for one more token; preempt the newest when pages run out."""
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if self.done_by_length(req) or req.num_cached < len(req.pages) * self.page_size:
+            if not req.decoding or self.done_by_length(req) or req.num_cached < len(req.pages) * self.page_size:
                 i += 1
-            elif self.alloc.num_free:
-                req.pages += self.alloc.alloc(1)
+            elif self.pool.num_free:
+                req.pages += self.pool.alloc(1)
                 i += 1
             else:
                 victim = self.running.pop()  # newest; may be `req` itself
-                self.alloc.release(victim.pages)
-                victim.pages, victim.num_cached = [], 0
+                self._free_pages(victim)
                 self.waiting.appendleft(victim)  # recomputed from prompt + output when pages free up
                 self.num_preempted += 1
+
+    def _free_pages(self, r: Request) -> None:
+        self.pool.release(r.pages)
+        if r.sent_pages:
+            self.dropped.append(r.slot)
+        r.pages, r.keys, r.num_cached, r.sent_pages = [], [], 0, 0
 
     # ---- the step message ----
 
     def issue(self, plan: Plan) -> torch.Tensor:
         """The step message for `plan`; from here on the scheduler counts the step as run."""
-        ids, pos, loc, seq, ext, npages, pages = [], [], [], [], [], [], []
+        ids, pos, loc, seq, ext, slots, keep, new = [], [], [], [], [], [], [], []
         S = self.page_size
-        for row, r in enumerate(plan.reqs):
-            if plan.is_prefill:
-                assert not r.pending, "a request is admitted only once its tokens are all known"
-                toks = r.all_ids[r.num_cached:]
-            else:
-                toks = [ref_token(r.out_row)] if r.pending else [r.output_ids[-1]]  # decoding: it has an output
+        for row, (r, n, sampled) in enumerate(zip(plan.reqs, plan.lens, plan.samples)):
             start = r.num_cached
+            if r.pending:  # a decode row whose input is still on the device
+                assert n == 1, "a request with a token in flight only decodes"
+                toks = [ref_token(r.out_row)]
+            else:
+                toks = r.tokens(start, n)
             ids += toks
-            positions = range(start, start + len(toks))
+            positions = range(start, start + n)
             pos += positions
             loc += [r.pages[p // S] * S + p % S for p in positions]
-            seq.append(start + len(toks))
-            ext.append(len(toks))
-            npages.append(len(r.pages))
-            pages.append(_page_array(r))
-            r.num_cached, r.out_row = start + len(toks), row
-            r.pending += 1
-        head = np.array([STEP, int(plan.is_prefill), len(plan.reqs), len(ids)] + ids + pos + loc + seq + ext + npages,
-                        dtype=np.int64)
-        # the page tables are most of the message: joined from per-request arrays, not converted int by int
-        return torch.from_numpy(np.concatenate([head, *pages]))
+            seq.append(start + n)
+            ext.append(n)
+            slots.append(r.slot)
+            keep.append(r.sent_pages)
+            new.append(r.pages[r.sent_pages:])
+            r.sent_pages = len(r.pages)
+            r.num_cached = start + n
+            if sampled:
+                r.out_row = row
+                r.pending += 1
+        dropped, self.dropped = self.dropped, []
+        return encode_step(plan.is_prefill, ids, pos, loc, seq, ext, slots, keep, new, dropped)
 
     # ---- after sampling ----
 
@@ -164,7 +249,9 @@ class Scheduler:
         """Append each request's new token from the step `plan` issued. Returns (the requests that got one,
         those that finished; their pages are freed). A request that ended before this step drops its token."""
         got, done = [], []
-        for r, tok in zip(plan.reqs, tokens):
+        for r, tok, sampled in zip(plan.reqs, tokens, plan.samples):
+            if not sampled:  # a prompt chunk short of the prompt's end
+                continue
             r.pending -= 1
             if r.finish_reason:
                 continue
@@ -185,45 +272,5 @@ class Scheduler:
                 self.running.remove(r)
             elif r in self.waiting:  # preempted while its last token was in flight
                 self.waiting.remove(r)
-            self.alloc.release(r.pages)
-            r.pages = []
+            self._free_pages(r)
         return reqs
-
-
-def _page_array(r: Request) -> np.ndarray:
-    """r.pages as an int64 array, rebuilt only when the list changed (it grows one page per page_size steps).
-    The cache keeps the list object itself, so a new list can never be mistaken for it."""
-    cached = r.pages_cache
-    if cached is None or cached[0] is not r.pages or cached[1] != len(r.pages):
-        cached = r.pages_cache = (r.pages, len(r.pages), np.array(r.pages, dtype=np.int64))
-    return cached[2]
-
-
-def decode_message(msg: torch.Tensor, device: torch.device) -> Batch | None:
-    """The inverse of `Scheduler.issue`, run on every rank; None for STOP."""
-    cmd, is_prefill, B, N = msg[:4].tolist()
-    if cmd == STOP:
-        return None
-    vals = msg[4:]
-    ids, pos, loc = vals[:N], vals[N:2 * N], vals[2 * N:3 * N]
-    rest = vals[3 * N:].tolist()
-    seq, ext, npages, flat = rest[:B], rest[B:2 * B], rest[2 * B:3 * B], rest[3 * B:]
-    tables, o = [], 0
-    for n in npages:
-        tables.append(flat[o:o + n])
-        o += n
-    if device.type == "cpu":
-        last = torch.tensor(ext).cumsum(0) - 1
-    else:  # one host-to-device copy instead of four
-        host = np.empty(3 * N + B, dtype=np.int64)
-        host[:3 * N] = vals[:3 * N].numpy()
-        np.cumsum(ext, out=host[3 * N:])
-        host[3 * N:] -= 1
-        # from pinned memory, so the copy queues behind the GPU's work instead of waiting for it
-        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
-        ids, pos, loc, last = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:]
-    return Batch(bool(is_prefill), ids, pos, loc, seq, ext, tables, last, page_ids=vals[3 * N + 3 * B:])
-
-
-def stop_message() -> torch.Tensor:
-    return torch.tensor([STOP, 0, 0, 0], dtype=torch.int64)

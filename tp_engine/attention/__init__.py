@@ -15,3 +15,14 @@ def make_backend(name: str, device: torch.device, **kw):
         return FlashInferBackend(device=device, **kw)
     from tp_engine.attention.torch_backend import TorchBackend
     return TorchBackend(device=device, **kw)
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError("attention_backend flashinfer needs device cuda; use torch (or auto) on CPU")
+    if device.type == "cuda" and name in ("auto", "flashinfer"):
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            raise ValueError("flashinfer is not installed (pip install -e '.[gpu]'); "
+                             "or set attention_backend: torch") from None

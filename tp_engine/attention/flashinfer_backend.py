@@ -85,7 +85,8 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch) -> None:
         kv_indptr, indices, last_len = (torch.from_numpy(a) for a in page_table(batch, self.page_size))
-        if batch.is_prefill:
+        if batch.is_prefill:  # also a mixed step: its decode rows are rows of one query
+            # causal: each row's queries are the last of its KV (a chunk after its cached prefix, shared or not)
             qo_indptr = torch.tensor([0, *accumulate(batch.extend_lens)], dtype=torch.int32)
             wrapper = self.prefill_wrapper
             self.guard.before(wrapper)

@@ -1,0 +1,136 @@
+"""Prefix cache and chunked prefill against transformers: shared prefixes, identical prompts, a prompt that is
+another's prefix, page sizes 4 and 16, a pool small enough to evict and preempt, two generate calls of one
+LLM, long prompts computed in chunks while others decode; TP 1, 2 and 4."""
+import json
+import random
+
+import pytest
+
+from helpers import hf_generate, make_checkpoint, run_cli
+from tp_engine.llm import LLM
+from tp_engine.sampler import SamplingParams
+
+NEW = 10
+_rng = random.Random(3)
+BASE = [_rng.randrange(1, 384) for _ in range(36)]  # 36 = 9 pages of 4: a page boundary
+PROMPTS = [
+    BASE + [5, 6, 7],
+    BASE + [8, 9, 10, 11, 12],
+    BASE,  # the prefix of the two above, a whole number of pages
+    BASE,  # identical: fully cached but for its last token
+    BASE[:21],
+    [_rng.randrange(1, 384) for _ in range(19)],
+    BASE[:33] + [40, 41],
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("prefix") / "m", vocab=384)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return hf_generate(ckpt, PROMPTS, NEW)
+
+
+def generate(llm, prompts=PROMPTS):
+    return llm.generate([{"input_ids": p} for p in prompts], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+
+
+def record_plans(llm) -> list:
+    plans = []
+    issue = llm.engine.issue
+    llm.engine.issue = lambda sched, plan: plans.append((list(plan.lens), list(plan.samples), plan.is_prefill)) \
+        or issue(sched, plan)
+    return plans
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prefix_cache_equals_hf(ckpt, reference, page_size, prefix_cache):
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": page_size}, prefix_cache=prefix_cache)
+    out = generate(llm)
+    assert [o["output_token_ids"] for o in out] == reference
+    cached = [o["cached_prompt_tokens"] for o in out]
+    if not prefix_cache:
+        assert cached == [0] * len(PROMPTS)
+    else:  # all admitted in one step: the later ones share the pages the first ones write in that step
+        S = page_size
+        assert cached[0] == 0 and cached[1] == (36 // S) * S  # the full pages of BASE that request 0 writes
+        assert cached[2] == cached[3] == (35 // S) * S  # never the page of a prompt's last token
+        assert cached[4] == (20 // S) * S and cached[5] == 0 and cached[6] == 32
+    # a second call of the same LLM finds the first call's pages
+    again = generate(llm, PROMPTS[:1])
+    assert again[0]["output_token_ids"] == reference[0]
+    assert again[0]["cached_prompt_tokens"] == ((38 // page_size) * page_size if prefix_cache else 0)
+
+
+def test_small_pool_evicts_and_preempts(ckpt, reference):
+    """A pool of 16 pages of 4 tokens for 7 requests of up to 51 tokens: preemption, eviction of cached pages,
+    re-admission with cache hits; the tokens do not change."""
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16}, max_batch_size=4)
+    evicted = []
+    pool = llm.engine.pool
+    alloc = pool.alloc
+    pool.alloc = lambda n: evicted.append(max(0, n - len(pool.free))) or alloc(n)
+    out = generate(llm)
+    assert [o["output_token_ids"] for o in out] == reference
+    assert llm.engine.num_preempted > 0 and sum(evicted) > 0
+    assert sum(o["cached_prompt_tokens"] for o in out) > 0
+    assert pool.num_free == pool.num_pages and not any(pool.refs)  # every reference returned
+
+
+def test_chunked_prefill_while_others_decode(ckpt):
+    """A long prompt computed in chunks of at most 8 tokens per step (decode rows included), in steps shared
+    with requests that decode; equal to transformers."""
+    long = [random.Random(9).randrange(1, 384) for _ in range(150)]
+    prompts = [PROMPTS[5], PROMPTS[0], long, BASE + long[:30]]
+    want = hf_generate(ckpt, prompts, NEW)
+    for cache in (True, False):
+        llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4}, max_prefill_tokens=8,
+                  prefix_cache=cache)
+        plans = record_plans(llm)
+        out = generate(llm, prompts)
+        assert [o["output_token_ids"] for o in out] == want
+        assert all(sum(lens) <= 8 for lens, _, _ in plans)
+        # mixed steps: decode rows next to a chunk whose sampled token is ignored
+        assert any(prefill and 1 in lens and not all(samples) for lens, samples, prefill in plans)
+        assert any(not prefill for _, _, prefill in plans)  # and pure decode steps
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
+    cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "max_prefill_tokens": 12,
+           "kv_cache": {"page_size": 4, "num_pages": 20}, "max_batch_size": 5,
+           "sampling": {"max_new_tokens": NEW, "ignore_eos": True}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=tp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line["output_token_ids"] for line in lines] == reference
+    summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
+    assert summary["cached_prompt_tokens"] == sum(line["cached_prompt_tokens"] for line in lines) > 0
+
+
+def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
+    """launch/bench.py's prefix-cache and long-prompt workloads, on the demo model's shapes with small sizes."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ROOT / "configs" / "models" / "demo"),
+           "--workload", "shared_prefix,long_prompt", "--engine", "ours", "--set", "device=cpu",
+           "--set", "max_prefill_tokens=48", "--num-requests", "6", "--prefix-len", "40", "--suffix-min", "3",
+           "--suffix-max", "9", "--shared-new-tokens", "4", "--long-len", "200", "--long-decoders", "4",
+           "--prompt-len", "8", "--long-decode-tokens", "24", "--long-after", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    shared = res["shared_prefix"]
+    assert shared["off"]["cached_prompt_tokens"] == 0 and shared["on"]["cached_prompt_tokens"] == 5 * 32
+    assert shared["on"]["output_tokens"] == shared["off"]["output_tokens"] == 24 and shared["speedup"] > 0
+    long = res["long_prompt"]
+    assert long["chunked"]["max_prefill_tokens"] == 48 and long["unchunked"]["max_prefill_tokens"] == 204
+    # chunked: the decoders keep producing tokens in the steps that compute the long prompt
+    assert long["chunked"]["decode_tokens_while_prefilling"] > long["unchunked"]["decode_tokens_while_prefilling"]

@@ -1,0 +1,113 @@
+"""KV page ownership on rank 0: the free list, reference counts, and the prefix cache.
+
+A page holds the K/V of `page_size` consecutive tokens. A full page of known tokens can be found again
+by its content: its key is a 128-bit BLAKE2b digest of (the key of the page before it, its token ids),
+so equal keys mean equal prefixes (a wrong hit would silently change outputs; a 128-bit digest makes one
+practically impossible, unlike Python's 64-bit `hash`). Such a page is shared by every request whose
+prompt starts with that prefix; each holder counts one reference. A registered page whose count drops
+to zero stays findable, on an LRU list, until `alloc` needs it: free pages are handed out first, then the
+least recently released cached ones are evicted.
+
+Only rank 0 has a PagePool; the other ranks see page ids in the step messages only.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT_KEY = b""  # the key "before" a request's first page
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The content key of a full page: its parent's key and its token ids."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True) -> None:
+        self.num_pages, self.page_size, self.enabled = num_pages, page_size, prefix_cache
+        self.free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id first
+        self.refs = [0] * num_pages
+        self.page_of: dict[bytes, int] = {}  # content key -> page
+        self.key_of: dict[int, bytes] = {}  # page -> content key (registered pages only)
+        self.lru: OrderedDict[int, None] = OrderedDict()  # registered pages without references, oldest first
+
+    @property
+    def num_free(self) -> int:
+        """Pages `alloc` can hand out: free ones and cached ones nobody references."""
+        return len(self.free) + len(self.lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.key_of)
+
+    def alloc(self, n: int) -> list[int]:
+        assert n <= self.num_free, f"asked for {n} KV pages, {self.num_free} free"
+        out = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.pop()
+            else:  # evict the least recently used cached page
+                page, _ = self.lru.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each page; unreferenced pages go back to the free list, or stay cached."""
+        for page in reversed(pages):
+            assert self.refs[page] > 0, f"KV page {page} released more often than taken"
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.lru[page] = None  # most recently used at the end
+                else:
+                    self.free.append(page)
+
+    def register(self, page: int, key: bytes) -> None:
+        """`page` (referenced) holds the full page with content `key`, or will once the step being issued ran."""
+        if self.enabled and key not in self.page_of and page not in self.key_of:
+            self.page_of[key] = page
+            self.key_of[page] = key
+
+    def match(self, ids: Sequence[int], max_pages: int) -> tuple[list[int], list[bytes]]:
+        """The cached pages holding the longest prefix of `ids` (at most `max_pages` pages), each now
+        referenced once more, and their keys."""
+        pages: list[int] = []
+        keys: list[bytes] = []
+        if not self.enabled:
+            return pages, keys
+        S, key = self.page_size, ROOT_KEY
+        for i in range(max_pages):
+            key = page_key(key, ids[i * S:(i + 1) * S])
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            if self.refs[page] == 0:
+                del self.lru[page]
+            self.refs[page] += 1
+            pages.append(page)
+            keys.append(key)
+        return pages, keys
+
+    def reset_refs(self) -> None:
+        """Forget every reference (a new run: the last one may have ended early with requests holding pages);
+        cached pages stay findable."""
+        for page in range(self.num_pages):
+            if self.refs[page]:
+                self.refs[page] = 1
+                self.release([page])
+
+    def clear(self) -> None:
+        """Forget every reference and every cached page."""
+        self.reset_refs()
+        self.free.extend(reversed(self.lru))
+        self.lru.clear()
+        self.page_of.clear()
+        self.key_of.clear()
