@@ -46,6 +46,10 @@ def _fraction(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
+def _logprobs(v):
+    return None if 0 <= v <= MAX_LOGPROBS else f"must be between 0 and {MAX_LOGPROBS}"
+
+
 def _seed(v):
     return None if 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
 
@@ -58,6 +62,7 @@ def _str_list(v):
     return None if all(isinstance(x, str) and x for x in v) else "must be a list of non-empty strings"
 
 
+MAX_LOGPROBS = 20
 SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
@@ -83,6 +88,9 @@ SCHEMA: dict[str, Key] = {
     "sampling.ignore_eos": Key(_BOOL, False, "keep generating past EOS tokens"),
     "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=_id_list),
     "sampling.stop": Key(_LIST, [], "strings that end a request (the text is cut before them)", check=_str_list),
+    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is prefilled once)", check=_positive),
+    "sampling.logprobs": Key(_INT, 0, "log-probabilities of each output token and of the K most likely ones, "
+                             "0 <= K <= 20; 0 = off", check=_logprobs),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(_STR + _NONE, None, "JSONL file, one {prompt: str}, {input_ids: [...]} or {messages: [...]} per line"),
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
