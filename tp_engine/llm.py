@@ -1,7 +1,7 @@
 """Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`, for use inside a torchrun script.
 
 Every rank constructs the LLM and calls `generate` with the same arguments; rank 0 returns the outputs
-(one dict per prompt, in order) and the other ranks return None once rank 0 is done.
+(one dict per prompt and sample, in order) and the other ranks return None once rank 0 is done.
 """
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
-                 on_finish: Callable[[dict], None] | None = None, skip: set[int] | frozenset = frozenset(),
+                 on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
                  on_token: Callable[[Request], None] | None = None,
                  encoded: list[list[int] | PromptError] | None = None) -> list[dict] | None:
-        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt (not skipped),
-        in input order; the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on
+        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
+        skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
+        ranks follow rank 0's steps and return None. `on_finish(output)` is called on
         rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
         already computed (the command line encodes before the weights load).
 
@@ -77,11 +78,11 @@ class LLM:
         if not self.rank0:
             self.engine.follow()
             return None
-        outputs: dict[int, dict] = {}
+        outputs: dict[tuple[int, int], dict] = {}
 
         def finish(req: Request) -> None:
             out = self.output(req)
-            outputs[req.index] = out
+            outputs[req.index, req.sample] = out
             if on_finish is not None:
                 on_finish(out)
 
@@ -90,16 +91,18 @@ class LLM:
                 raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
             requests = []
             for i, prompt in enumerate(prompts):
-                if i in skip:
+                samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
+                if not samples:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
-                req = Request(i, [] if isinstance(got, PromptError) else got, params)
                 error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
-                if error is not None:  # a bad prompt gets an error line; the others still run
-                    req.finish_reason, req.error = "error", error
-                    finish(req)
-                    continue
-                requests.append(req)
+                for j in samples:  # n requests with the same ids: the prompt is encoded once
+                    req = Request(i, [] if isinstance(got, PromptError) else got, params, sample=j)
+                    if error is not None:  # a bad prompt gets an error line per sample; the others still run
+                        req.finish_reason, req.error = "error", error
+                        finish(req)
+                    else:
+                        requests.append(req)
         except BaseException:
             self.engine.release_followers()
             raise
@@ -142,9 +145,12 @@ class LLM:
         return False
 
     def output(self, req: Request) -> dict:
-        out = {"index": req.index, "prompt_token_ids": req.prompt_ids, "output_token_ids": req.output_ids,
+        out = {"index": req.index, "sample": req.sample, "prompt_token_ids": req.prompt_ids,
+               "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
                "finish_reason": req.finish_reason}
+        if req.params.logprobs and req.error is None:
+            out["logprobs"] = req.logprobs
         if req.error is not None:
             out["error"] = req.error
         return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tp_engine.config import SCHEMA, check_value
-from tp_engine.topk_sampling import M32, hash32, candidate_draw, full_sort_draw, noise_at, row_hash
+from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, noise_at, row_hash
 
 
 @dataclass
@@ -45,12 +45,19 @@ class SamplingParams:
 
 def request_seed(seed: int, index: int, sample: int = 0) -> int:
     """The seed of sample `sample` of prompt `index`. Sample 0 keeps the stream of a run without `n`; sample
-    j > 0 mixes j in with the counter hash, so it depends on (seed, index, j) only, never on n."""
+    j > 0 mixes j in with the counter hash (in Python ints: called per request per step), so it depends on
+    (seed, index, j) only, never on n."""
     base = seed * 1_000_003 + index
     if sample == 0:
         return base
-    t = torch.tensor([base & M32, sample * 0x9E3779B1 & M32], dtype=torch.int64)
-    return int(hash32(hash32(t[:1]) ^ hash32(t[1:]))[0])
+    return _mix(_mix(base & M32) ^ _mix(sample * 0x9E3779B1 & M32))
+
+
+def _mix(x: int) -> int:
+    """topk_sampling.hash32 on one Python int."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    return (x >> 16) ^ x
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:

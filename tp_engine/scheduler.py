@@ -43,6 +43,8 @@ class Request:
     error: str | None = None
     text: str | None = None
     pages_cache: tuple | None = field(default=None, repr=False)  # see _page_array
+    sample: int = 0  # which of the prompt's `n` samples this request is
+    logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
 
     @property
     def all_ids(self) -> list[int]:
