@@ -8,13 +8,17 @@ import copy
 import difflib
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tp_engine.generation_config import GenerationConfigError, sampling_defaults
 from tp_engine.textio import decode_utf8
+
+log = logging.getLogger("tp_engine")
 
 
 class ConfigError(ValueError):
@@ -158,7 +162,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def build_config(path: str | None = None, overrides: list[str] | None = None, **values: Any) -> dict:
-    """Defaults <- YAML file <- keyword values <- `--set` overrides, then validated. Returns a nested dict."""
+    """Defaults <- the checkpoint's generation_config.json (sampling keys) <- YAML file <- keyword values <- `--set`
+    overrides, then validated. Returns a nested dict of the effective values."""
     flat: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -187,7 +192,21 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
             raise _unknown(k)
         _set_dotted(cfg, k, v)
     validate(cfg)
+    _generation_defaults(cfg, set(flat))
     return cfg
+
+
+def _generation_defaults(cfg: dict, explicit: set[str]) -> None:
+    """The sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)."""
+    try:
+        found = sampling_defaults(cfg["model"])
+    except GenerationConfigError as e:
+        raise ConfigError(str(e)) from None
+    applied = {k: v for k, v in found.items() if f"sampling.{k}" not in explicit}
+    if applied:
+        cfg["sampling"].update(applied)
+        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s", cfg["model"],
+                 ", ".join(f"{k}={v}" for k, v in applied.items()))
 
 
 def get(cfg: dict, dotted: str) -> Any:

@@ -14,6 +14,7 @@ from tp_engine import comm as tpd
 from tp_engine.engine import Engine
 from tp_engine.lifeline import exit_with_launcher
 from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
+from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
 
@@ -39,6 +40,7 @@ class LLM:
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
+        self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
 
     # ---- text <-> ids (rank 0 only) ----
 
@@ -151,9 +153,17 @@ class LLM:
                "finish_reason": req.finish_reason}
         if req.params.logprobs and req.error is None:
             out["logprobs"] = req.logprobs
+        tags = self._think_tags()
+        if tags is not None and req.error is None:
+            out["reasoning"], out["text"] = split_reasoning(out["text"] or "", opens_thinking(req.prompt_ids, tags))
         if req.error is not None:
             out["error"] = req.error
         return out
+
+    def _think_tags(self) -> tuple[int, int] | None:
+        if self._think is None:
+            self._think = (think_tags(self.tokenizer) if self.cfg["chat"] else None,)
+        return self._think[0]
 
     def shutdown(self) -> None:
         """Leave the process group. Call on every rank at the end of a script."""
