@@ -10,27 +10,36 @@ def reference(logits, params, seeds, steps):
     """The sampler's former full-vocabulary path: sort every row, mask, Gumbel noise at every token id.
     Top-k keeps exactly k tokens, ties at the k-th value going to the lower ids (a stable sort)."""
     out = logits.argmax(dim=-1)
+    dev = logits.device
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    x = logits[rows] / torch.tensor([params[i].temperature for i in rows])[:, None]
+    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
     vocab = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-    k = torch.tensor([params[i].top_k or vocab for i in rows])
-    sorted_x = sorted_x.masked_fill(torch.arange(vocab)[None, :] >= k[:, None], float("-inf"))
-    top_p = torch.tensor([params[i].top_p for i in rows])
+    k = torch.tensor([params[i].top_k or vocab for i in rows], device=dev)
+    sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
     probs = sorted_x.softmax(-1)
     drop = probs.cumsum(-1) - probs > top_p[:, None]
     x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    u = uniform_noise(torch.tensor([seeds[i] for i in rows]), torch.tensor([steps[i] for i in rows]), vocab)
+    u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
+                      torch.tensor([steps[i] for i in rows], device=dev), vocab)
     out[rows] = (x - torch.log(-torch.log(u))).argmax(dim=-1)
     return out
 
 
-def random_rows(gen, n, vocab):
-    logits = torch.randn(n, vocab, generator=gen) * 3
+def random_rows(gen, n, vocab, device="cpu"):
+    logits = torch.randn(n, vocab, generator=gen).to(device) * 3
     for r in range(0, n, 3):  # ties: values rounded to a coarse grid, as bf16 logits are
         logits[r] = (logits[r] * 2).round() / 2
     logits[1::7] = 0.0  # all tokens equal
     return logits
+
+
+def mixed_params(n, vocab):
+    choices_k = [1, 2, 5, 20, 64, vocab + 3]  # larger than the vocabulary too
+    choices_p = [1.0, 0.95, 0.5, 1e-6]
+    return [SamplingParams(temperature=[0.3, 0.7, 1.0, 2.5][i % 4], top_k=choices_k[i % 6],
+                           top_p=choices_p[(i // 6) % 4]) for i in range(n)]
 
 
 @pytest.mark.parametrize("vocab", [50, 1000])
@@ -38,10 +47,8 @@ def test_candidate_path_equals_full_vocabulary_reference(vocab):
     gen = torch.Generator().manual_seed(vocab)
     n = 400
     logits = random_rows(gen, n, vocab)
-    choices_k = [1, 2, 5, 20, 64, vocab + 3]  # larger than the vocabulary too
     choices_p = [1.0, 0.95, 0.5, 1e-6]
-    params = [SamplingParams(temperature=[0.3, 0.7, 1.0, 2.5][i % 4], top_k=choices_k[i % 6],
-                             top_p=choices_p[(i // 6) % 4]) for i in range(n)]
+    params = mixed_params(n, vocab)
     seeds = [request_seed(3, i, i % 3) for i in range(n)]
     steps = [i * 7 % 13 for i in range(n)]
     got = sample(logits, params, seeds, steps)
@@ -88,3 +95,23 @@ def test_token_logprobs_match_log_softmax():
     torch.testing.assert_close(chosen.double(), ref[torch.arange(3), tokens], atol=1e-5, rtol=0)
     assert torch.equal(ids, ref.topk(5).indices)
     assert (vals[:, :-1] >= vals[:, 1:]).all()
+
+
+def test_noise_at_the_top_hash_value_is_finite_and_masked_tokens_never_win():
+    """One token in 2**24 hashes to the top 24-bit value, whose uniform once rounded to 1.0: infinite noise,
+    so a token outside top-k (NaN) or any token in a temperature-only row won regardless of its logit."""
+    vocab = 1 << 17
+    for seed in range(400):
+        u = uniform_noise(torch.tensor([seed]), torch.tensor([0]), vocab)
+        if (u >= 1 - 2 ** -24).any():
+            break
+    else:
+        raise AssertionError("no top hash value found")
+    hit = int((u[0] >= 1 - 2 ** -24).nonzero()[0])
+    assert torch.isfinite(torch.log(-torch.log(u))).all()
+    logits = torch.zeros(1, vocab)
+    logits[0, 7] = 40.0  # certain under any of the draws below
+    logits[0, hit] = -40.0
+    for p in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_k=5, top_p=0.5),
+              SamplingParams(temperature=1.0)):
+        assert sample(logits, [p], [seed], [0]).item() == 7, p

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 M32 = 0xFFFFFFFF
+# The largest float32 below 1. (m + 0.5) / 2**24 rounds to 1.0 for the top 24-bit value m, whose Gumbel noise
+# -log(-log(u)) would be +inf: that token always won, and a masked one (-inf + inf = NaN) won argmax too.
+U_MAX = 1.0 - 2.0 ** -24
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -27,7 +30,7 @@ def row_hash(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 def noise_at(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1) at token ids `ids` [R, C] for rows whose hash start is `rows` [R]."""
     bits = hash32((rows[:, None] + ids * 0x9E3779B1) & M32)
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    return (((bits >> 8).float() + 0.5) / float(1 << 24)).clamp_(max=U_MAX)
 
 
 def _gumbel_pick(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
