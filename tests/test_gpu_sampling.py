@@ -71,3 +71,18 @@ def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
         # bf16-rounded logits: many exact ties
         tied = logits.to(torch.bfloat16).float()
         assert torch.equal(sample(tied, params, seeds, steps), reference(tied, params, seeds, steps)), vocab
+
+
+def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
+    """The fused temperature-only kernel clamps the uniform below 1 exactly as topk_sampling.noise_at does."""
+    from tp_engine.kernels import select
+    from tp_engine.sampler import uniform_noise
+
+    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    vocab = 1 << 17
+    seeds = [s for s in range(2000) if (uniform_noise(torch.tensor([s]), torch.tensor([0]), vocab) >= 1 - 2 ** -24).any()]
+    assert len(seeds) >= 4
+    logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(temperature=0.7)] * len(seeds)
+    got = sample(logits.to(DEV), params, seeds, [0] * len(seeds)).cpu()
+    assert torch.equal(got, sample(logits, params, seeds, [0] * len(seeds)))

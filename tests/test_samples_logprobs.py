@@ -165,3 +165,23 @@ def test_n_and_logprobs_are_checked(ckpt, key, value, message):
         build_config(model=str(ckpt), overrides=[f"{key}={value}"])
     with pytest.raises(ConfigError, match=f"SamplingParams.{key.split('.')[1]}"):
         SamplingParams(**{key.split(".")[1]: value})
+
+
+def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ckpt), "--engine", "ours",
+           "--workload", "sampling,n8", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
+           "--n-prompts", "2", "--n-samples", "3", "--n-new-tokens", "8", "--prompt-len", "8",
+           "--set", "device=cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["sampling"]
+    assert (s["top_k_top_p"]["top_k"], s["top_k_top_p"]["top_p"], s["temperature_only"]["top_k"]) == (20, 0.95, 0)
+    assert s["ratio"] > 0 and res["n8"]["ratio"] > 0
+    assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48
