@@ -53,10 +53,10 @@ def _mask_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 def _order_key(x: torch.Tensor) -> torch.Tensor:
     """One int64 per token that orders like (value descending, id ascending): float bits made monotonic in
     the high half, the reversed id in the low half. No two tokens share a key, so torch.topk's order is exact."""
-    bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 becomes +0.0, equal values get equal bits
-    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
-    return (mono << 32) | (x.shape[-1] - 1 - ids)
+    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, so equal values get equal bits
+    bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: reverse the order of their magnitudes
+    reversed_ids = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device, dtype=torch.int64)
+    return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)  # in place: [R, vocab] int64 once
 
 
 def candidate_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
