@@ -64,15 +64,19 @@ def test_reasoning_is_split_from_the_answer(model, tmp_path):
     assert lines[0]["output_token_ids"] == out
     assert lines[0]["reasoning"] == words(out[1:3]) and lines[0]["text"] == words(out[4:])
     # the length limit inside the think block: all reasoning
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": 3}}, tmp_path, name="short")
-    assert lines[0]["reasoning"] == words(out[1:3]) and lines[0]["text"] == ""
+    short = run(thinking, prompt, max_new_tokens=3)
+    assert short["reasoning"] == words(out[1:3]) and short["text"] == ""
     # chat: false, or a template without <think>: no field, the text as decoded
-    proc, lines = run_cli({**cfg, "chat": False}, tmp_path, name="nochat")
-    assert "reasoning" not in lines[0] and "<think>" in lines[0]["text"]
-    plain = with_tokenizer(ckpt, tmp_path / "p", out, PLAIN)
-    proc, lines = run_cli({**cfg, "model": plain}, tmp_path, name="plain")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "reasoning" not in lines[0] and "</think>" in lines[0]["text"]
+    decoded = f"<think> {words(out[1:3])} </think> {words(out[4:])}"
+    nochat = run(thinking, prompt, chat=False)
+    assert "reasoning" not in nochat and nochat["text"] == decoded
+    plain = run(with_tokenizer(ckpt, tmp_path / "p", out, PLAIN), prompt)
+    assert "reasoning" not in plain and plain["text"] == decoded
+
+
+def run(model, prompt, chat=True, max_new_tokens=8):
+    llm = LLM(model=model, device="cpu", chat=chat)
+    return llm.generate([{"input_ids": prompt}], SamplingParams(max_new_tokens=max_new_tokens))[0]
 
 
 def test_split_reasoning_rules():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import make_checkpoint, run_cli
-from tp_engine.config import ConfigError, build_config
+from tp_engine.config import ConfigError, build_config, fingerprint
 from tp_engine.llm import LLM
 from tp_engine.sampler import SamplingParams
 
@@ -44,6 +44,10 @@ def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_pa
     proc, resumed = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"resumed_skipped": 10' in proc.stderr and out.read_text().splitlines() == full
+    # n is not part of the run settings: the n = 2 file resumed with n = 4 runs samples 2 and 3 only
+    proc, _ = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"resumed_skipped": 6' in proc.stderr and (tmp_path / "n2.jsonl").read_text().splitlines() == full
 
 
 def test_greedy_n_gives_equal_lines_and_resume_checks_n(ckpt, tmp_path):
@@ -91,6 +95,7 @@ def test_logprobs_stay_aligned_when_a_request_stops_early(ckpt):
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, logprobs=2, stop_token_ids=[stop], n=2,
                                                 temperature=0.7, top_k=5))
     assert any(o["finish_reason"] == "stop" for o in outs)
+    assert [(o["index"], o["sample"]) for o in outs] == [(i, j) for i in range(3) for j in range(2)]
     for o in outs:
         assert [e["token"] for e in o["logprobs"]] == o["output_token_ids"]
         assert all(len(e["top"]) == 2 for e in o["logprobs"])
@@ -116,6 +121,7 @@ def test_generation_config_fills_the_sampling_keys_not_set(ckpt, tmp_path, caplo
     assert "temperature=0.6, top_k=20, top_p=0.95" in caplog.text and "generation_config.json" in caplog.text
     cfg = build_config(model=model, overrides=["sampling.temperature=0"])  # explicit: greedy
     assert cfg["sampling"]["temperature"] == 0 and cfg["sampling"]["top_k"] == 20
+    assert fingerprint(cfg) != fingerprint(build_config(model=model))  # the ranks compare the values in effect
     assert build_config(model=model, sampling={"top_p": 1.0})["sampling"]["top_p"] == 1.0
     # transformers' own file (no do_sample) and do_sample false keep greedy decoding
     assert build_config(model=str(ckpt))["sampling"]["temperature"] == 0.0
