@@ -80,7 +80,8 @@ def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
 
     assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
     vocab = 1 << 17
-    seeds = [s for s in range(2000) if (uniform_noise(torch.tensor([s]), torch.tensor([0]), vocab) >= 1 - 2 ** -24).any()]
+    seeds = [s for s in range(2000)
+             if (uniform_noise(torch.tensor([s]), torch.tensor([0]), vocab) >= 1 - 2 ** -24).any()]
     assert len(seeds) >= 4
     logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(0)) * 2
     params = [SamplingParams(temperature=0.7)] * len(seeds)

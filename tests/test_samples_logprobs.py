@@ -57,6 +57,11 @@ def test_greedy_n_gives_equal_lines_and_resume_checks_n(ckpt, tmp_path):
     assert len(lines) == 3 and len({tuple(x["output_token_ids"]) for x in lines}) == 1
     proc, _ = run_cli({**cfg, "sampling": {"max_new_tokens": 4, "n": 2}, "resume": True}, tmp_path)
     assert proc.returncode != 0 and "is sample 2 of prompt 0, but sampling.n is 2 now" in proc.stderr
+    # a file from before `sample` and `logprobs` existed (n = 1, no sample field) resumes: nothing to run
+    out = tmp_path / "run.jsonl"
+    out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "sample"}) + "\n" for x in lines[:1]))
+    proc, again = run_cli({**cfg, "sampling": {"max_new_tokens": 4}, "resume": True}, tmp_path)
+    assert proc.returncode == 0 and '"resumed_skipped": 1' in proc.stderr, proc.stderr[-3000:]
 
 
 def hf_logprobs(path, prompt, output):

@@ -25,8 +25,10 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
         f = model / name
         settings[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
-    # not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples
-    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items() if k != "n"})
+    # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
+    # on, so that lines written before the key existed keep their `run`.
+    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
+                     if k != "n" and not (k == "logprobs" and v == 0)})
     for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
         if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
             settings[k] = float(v)
@@ -52,8 +54,9 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
                     samples: int = 1) -> tuple[dict[tuple[int, int], dict], list[dict]]:
     """(finished lines to keep, by (index, sample); error lines, kept until their prompt has run again).
 
-    A finished line is kept only if this run would write it: its index is in the prompt list, its sample below `samples` (sampling.n), its
-    prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error lines are always retried.
+    A finished line is kept only if this run would write it: its index is in the prompt list, its sample below
+    `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error
+    lines are always retried.
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
     lines = target.read_bytes().split(b"\n")
     lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash
@@ -157,7 +160,8 @@ class ResultSink:
             write_lines(self.target, ordered)
         elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
             for out in ordered:
-                head = f"[{out['index']}{'.' + str(out['sample']) if out.get('sample') else ''}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
+                place = f"{out['index']}.{out['sample']}" if out.get("sample") else out["index"]
+                head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
                 body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
         else:
