@@ -20,7 +20,13 @@ Workloads (comma-separated, or `all`):
               --long-len (32,000) token prompt arrives: its TTFT and the decoders' time per output token
               (p50/p99) while it prefills, with chunks of max_prefill_tokens (`chunked`), then with the
               whole prompt in one step (`unchunked`, max_prefill_tokens above its length)
-  (shared_prefix and long_prompt are not part of `all`.)
+  sampling    the throughput workload twice in one call: temperature only, then with --top-k/--top-p
+              (Qwen3's recommended 20 and 0.95 when both are unset); both figures and their ratio
+  n8          --n-prompts prompts (64) x --n-samples samples (8) of --n-new-tokens (512) each, against the
+              same number of requests sent as separate prompts; both figures and their ratio
+
+(shared_prefix, long_prompt, sampling and n8 are not part of `all`.)
+The throughput workload samples with --temperature, --top-k and --top-p.
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
 workloads: the same latency request (--hf-new-tokens new tokens), and for throughput the first
@@ -70,7 +76,7 @@ SHARD_BYTES = 4 << 30
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="directory with config.json (public Qwen3 shapes in configs/models)")
-    p.add_argument("--workload", default="latency", help="latency, throughput, load (comma-separated) or all")
+    p.add_argument("--workload", default="latency", help="latency, throughput, load, sampling, n8 (comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
@@ -84,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-k", type=int, default=0, help="throughput: top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="throughput: top-p (1 = off)")
+    p.add_argument("--n-prompts", type=int, default=64, help="n8: prompts")
+    p.add_argument("--n-samples", type=int, default=8, help="n8: samples per prompt")
+    p.add_argument("--n-new-tokens", type=int, default=512, help="n8: new tokens per sample")
     p.add_argument("--hf-new-tokens", type=int, default=None, help="HF latency run length (default --new-tokens)")
     p.add_argument("--hf-requests", type=int, default=32, help="HF throughput: this many requests as one batch")
     p.add_argument("--hf-max-new", type=int, default=128, help="HF throughput: new tokens per request (capped)")
@@ -454,12 +465,15 @@ def host_profile(engine: Engine, args, res: dict) -> None:
         res["latency"]["host_us_per_step"] = {f"rank{r}": d for r, d in enumerate(per_rank)}
 
 
-def bench_throughput(engine: Engine, args, res: dict) -> None:
+def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", top_k: int | None = None,
+                     top_p: float | None = None) -> None:
     vocab = engine.model_cfg.vocab_size
+    top_k = args.top_k if top_k is None else top_k
+    top_p = args.top_p if top_p is None else top_p
 
     def make(specs, base):
-        return [Request(base + k, list(ids), SamplingParams(temperature=args.temperature, max_new_tokens=o,
-                                                            ignore_eos=True, seed=args.seed))
+        return [Request(base + k, list(ids), SamplingParams(temperature=args.temperature, top_k=top_k, top_p=top_p,
+                                                            max_new_tokens=o, ignore_eos=True, seed=args.seed))
                 for k, (ids, o) in enumerate(specs)]
 
     warm = throughput_requests(args, vocab, 32, args.seed + 1)
@@ -484,7 +498,8 @@ def bench_throughput(engine: Engine, args, res: dict) -> None:
     n_out = sum(len(r.output_ids) for r in reqs)
     ttft = [first[r.index] - t0 for r in reqs]
     tpot = [(last[r.index] - first[r.index]) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
-    res["throughput"] = {
+    res[key] = {
+        "top_k": top_k, "top_p": top_p, "temperature": args.temperature,
         "output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
         "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "output_tokens": n_out,
         "total_tok_s": round((n_out + sum(len(r.prompt_ids) for r in reqs)) / wall, 1),
@@ -576,6 +591,46 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
     engine.cfg["max_prefill_tokens"] = chunk
     if engine.tp.is_first:
         res["long_prompt"] = {"long_len": args.long_len, "decoders": args.long_decoders, **out}
+
+
+def bench_sampling(engine: Engine, args, res: dict) -> None:
+    """Throughput with temperature only, then with top-k/top-p: what the filters cost."""
+    top_k, top_p = (args.top_k, args.top_p) if args.top_k or args.top_p < 1 else (20, 0.95)
+    out: dict = {}
+    bench_throughput(engine, args, out, "temperature_only", 0, 1.0)
+    bench_throughput(engine, args, out, "top_k_top_p", top_k, top_p)
+    if engine.tp.is_first:
+        out["ratio"] = round(out["top_k_top_p"]["output_tok_s"] / out["temperature_only"]["output_tok_s"], 4)
+        res["sampling"] = out
+
+
+def bench_n_samples(engine: Engine, args, res: dict) -> None:
+    """--n-prompts x --n-samples samples (one prompt each, sampled n times), against as many separate prompts."""
+    vocab, rng = engine.model_cfg.vocab_size, random.Random(args.seed)
+    count = args.n_prompts * args.n_samples
+
+    def params():
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_new_tokens=args.n_new_tokens, ignore_eos=True, seed=args.seed)
+
+    prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.n_prompts)]
+    runs = {"n_samples": [Request(i, list(p), params(), sample=j) for i, p in enumerate(prompts)
+                          for j in range(args.n_samples)],
+            "separate_prompts": [Request(k, random_ids(rng, args.prompt_len, vocab), params()) for k in range(count)]}
+    run_requests(engine, [Request(10_000 + k, list(p[:64]), SamplingParams(max_new_tokens=16, ignore_eos=True))
+                          for k, p in enumerate(prompts[:8])])  # warm-up
+    out: dict = {}
+    for name, reqs in runs.items():
+        t0 = time.perf_counter()
+        run_requests(engine, reqs)
+        wall = time.perf_counter() - t0
+        n_out = sum(len(r.output_ids) for r in reqs)
+        out[name] = {"output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
+                     "output_tokens": n_out, "preempted": engine.num_preempted}
+    if engine.tp.is_first:
+        out["ratio"] = round(out["n_samples"]["output_tok_s"] / out["separate_prompts"]["output_tok_s"], 4)
+        out.update(prompts=args.n_prompts, samples=args.n_samples, new_tokens=args.n_new_tokens)
+        res["n8"] = out
 
 
 # ---- HF transformers on the same workloads ----
@@ -704,6 +759,10 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_shared_prefix(engine, args, res)
     if "long_prompt" in workloads:
         bench_long_prompt(engine, args, res)
+    if "sampling" in workloads:
+        bench_sampling(engine, args, res)
+    if "n8" in workloads:
+        bench_n_samples(engine, args, res)
     if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
         if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket

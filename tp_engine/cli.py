@@ -105,7 +105,7 @@ class Preflight:
         settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")))
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
-            done, retry = read_for_resume(target, shown, self.encoded, settings)
+            done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])
         self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
 
 
@@ -122,11 +122,13 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         llm.generate(prompts)
         return finish(llm, 0)
     sink = _SINK = preflight.sink
-    progress = Progress(len(prompts) - len(sink.done_indices), cfg["progress"] and not quiet and not cfg["stream"])
+    n = cfg["sampling"]["n"]
+    progress = Progress(len(prompts) * n - len(sink.done_keys), cfg["progress"] and not quiet and not cfg["stream"])
     streamer = None
     if cfg["stream"]:
-        if len(prompts) != 1:
-            log.warning("stream: true prints text for a single prompt only; %d prompts given", len(prompts))
+        if len(prompts) * n != 1:
+            log.warning("stream: true prints text for a single prompt and sample only; %d prompts x %d samples given",
+                        len(prompts), n)
         else:
             streamer = Streamer(llm.decode)
 
@@ -142,7 +144,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
             streamer.update(out["output_token_ids"], final=True)
 
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_indices, on_token=on_token,
+    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token,
                            encoded=preflight.encoded)
     seconds = time.perf_counter() - t0
     sink.close()
@@ -156,8 +158,10 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
         summary["preempted"] = llm.engine.num_preempted
-    if sink.done_indices:
-        summary["resumed_skipped"] = len(sink.done_indices)
+    if n > 1:
+        summary["prompts"] = len({o["index"] for o in outputs})
+    if sink.done_keys:
+        summary["resumed_skipped"] = len(sink.done_keys)
     print("summary: " + json.dumps(summary), file=sys.stderr)
     if errors:  # finished, but not every prompt has a result: say so in the exit status (see troubleshooting.md)
         return finish(llm, fail(0, f"{errors} of {len(outputs)} prompts ended with finish_reason \"error\" "

@@ -8,13 +8,17 @@ import copy
 import difflib
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tp_engine.generation_config import GenerationConfigError, sampling_defaults
 from tp_engine.textio import decode_utf8
+
+log = logging.getLogger("tp_engine")
 
 
 class ConfigError(ValueError):
@@ -46,6 +50,10 @@ def _fraction(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
+def _logprobs(v):
+    return None if 0 <= v <= MAX_LOGPROBS else f"must be between 0 and {MAX_LOGPROBS}"
+
+
 def _seed(v):
     return None if 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
 
@@ -58,6 +66,7 @@ def _str_list(v):
     return None if all(isinstance(x, str) and x for x in v) else "must be a list of non-empty strings"
 
 
+MAX_LOGPROBS = 20
 SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
@@ -85,6 +94,9 @@ SCHEMA: dict[str, Key] = {
     "sampling.ignore_eos": Key(_BOOL, False, "keep generating past EOS tokens"),
     "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=_id_list),
     "sampling.stop": Key(_LIST, [], "strings that end a request (the text is cut before them)", check=_str_list),
+    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is prefilled once)", check=_positive),
+    "sampling.logprobs": Key(_INT, 0, "log-probabilities of each output token and of the K most likely ones, "
+                             "0 <= K <= 20; 0 = off", check=_logprobs),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(_STR + _NONE, None, "JSONL file, one {prompt: str}, {input_ids: [...]} or {messages: [...]} per line"),
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
@@ -152,7 +164,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def build_config(path: str | None = None, overrides: list[str] | None = None, **values: Any) -> dict:
-    """Defaults <- YAML file <- keyword values <- `--set` overrides, then validated. Returns a nested dict."""
+    """Defaults <- the checkpoint's generation_config.json (sampling keys) <- YAML file <- keyword values <- `--set`
+    overrides, then validated. Returns a nested dict of the effective values."""
     flat: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -181,7 +194,21 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
             raise _unknown(k)
         _set_dotted(cfg, k, v)
     validate(cfg)
+    _generation_defaults(cfg, set(flat))
     return cfg
+
+
+def _generation_defaults(cfg: dict, explicit: set[str]) -> None:
+    """The sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)."""
+    try:
+        found = sampling_defaults(cfg["model"])
+    except GenerationConfigError as e:
+        raise ConfigError(str(e)) from None
+    applied = {k: v for k, v in found.items() if f"sampling.{k}" not in explicit}
+    if applied:
+        cfg["sampling"].update(applied)
+        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s", cfg["model"],
+                 ", ".join(f"{k}={v}" for k, v in applied.items()))
 
 
 def get(cfg: dict, dotted: str) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -26,23 +25,16 @@ from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
 from tp_engine.models import build_model
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
-from tp_engine.sampler import sample
 from tp_engine.page_pool import PagePool
+from tp_engine.sampler import request_seed, sample, token_logprobs
 from tp_engine.scheduler import Plan, Request, Scheduler
 from tp_engine.step_message import PageTables, decode_message, stop_message
+from tp_engine.step_tokens import Issued, add_logprobs, to_host
 
 log = logging.getLogger("tp_engine")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
-
-
-@dataclass
-class Issued:
-    """A step sent to the GPU whose tokens rank 0 has not read yet."""
-    plan: Plan
-    tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
-    done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is synchronous)
 
 
 def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
@@ -271,18 +263,14 @@ class Engine:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
         returns without waiting for the GPU."""
         reqs = plan.reqs
-        seeds = [r.params.seed * 1_000_003 + r.index for r in reqs]
+        seeds = [request_seed(r.params.seed, r.index, r.sample) for r in reqs]
         steps = [r.num_outputs for r in reqs]  # the output index each request samples now
         batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device, self.tables)
-        logits = self.forward(batch)
-        tokens = self.share_tokens(sample(logits[: len(reqs)], [r.params for r in reqs], seeds, steps), len(reqs))
-        if tokens.is_cuda:
-            host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return Issued(plan, host, done)
-        return Issued(plan, tokens.clone(), None)
+        logits = self.forward(batch)[: len(reqs)]
+        sampled = sample(logits, [r.params for r in reqs], seeds, steps)
+        k = max(r.params.logprobs for r in reqs)
+        logprobs = token_logprobs(logits, sampled, k) if k else ()  # before temperature and filters
+        return to_host(plan, self.share_tokens(sampled, len(reqs)), logprobs)
 
     def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[Request], bool] | None,
                     on_finish: Callable[[Request], None] | None) -> None:
@@ -290,6 +278,7 @@ class Engine:
         if step.done is not None:
             step.done.synchronize()
         got, done = sched.update(step.plan, step.tokens.tolist())
+        add_logprobs(step, got)
         if on_token is not None:
             hit = [r for r in got if on_token(r)]
             for r in hit:  # a stop string wins over the length limit reached on the same token

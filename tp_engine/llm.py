@@ -1,7 +1,7 @@
 """Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`, for use inside a torchrun script.
 
 Every rank constructs the LLM and calls `generate` with the same arguments; rank 0 returns the outputs
-(one dict per prompt, in order) and the other ranks return None once rank 0 is done.
+(one dict per prompt and sample, in order) and the other ranks return None once rank 0 is done.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tp_engine import comm as tpd
 from tp_engine.engine import Engine
 from tp_engine.lifeline import exit_with_launcher
 from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
+from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
 
@@ -39,6 +40,7 @@ class LLM:
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
+        self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
 
     # ---- text <-> ids (rank 0 only) ----
 
@@ -56,11 +58,12 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
-                 on_finish: Callable[[dict], None] | None = None, skip: set[int] | frozenset = frozenset(),
+                 on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
                  on_token: Callable[[Request], None] | None = None,
                  encoded: list[list[int] | PromptError] | None = None) -> list[dict] | None:
-        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt (not skipped),
-        in input order; the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on
+        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
+        skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
+        ranks follow rank 0's steps and return None. `on_finish(output)` is called on
         rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
         already computed (the command line encodes before the weights load).
 
@@ -77,11 +80,11 @@ class LLM:
         if not self.rank0:
             self.engine.follow()
             return None
-        outputs: dict[int, dict] = {}
+        outputs: dict[tuple[int, int], dict] = {}
 
         def finish(req: Request) -> None:
             out = self.output(req)
-            outputs[req.index] = out
+            outputs[req.index, req.sample] = out
             if on_finish is not None:
                 on_finish(out)
 
@@ -90,16 +93,18 @@ class LLM:
                 raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
             requests = []
             for i, prompt in enumerate(prompts):
-                if i in skip:
+                samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
+                if not samples:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
-                req = Request(i, [] if isinstance(got, PromptError) else got, params)
                 error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
-                if error is not None:  # a bad prompt gets an error line; the others still run
-                    req.finish_reason, req.error = "error", error
-                    finish(req)
-                    continue
-                requests.append(req)
+                for j in samples:  # n requests with the same ids: the prompt is encoded once
+                    req = Request(i, [] if isinstance(got, PromptError) else got, params, sample=j)
+                    if error is not None:  # a bad prompt gets an error line per sample; the others still run
+                        req.finish_reason, req.error = "error", error
+                        finish(req)
+                    else:
+                        requests.append(req)
         except BaseException:
             self.engine.release_followers()
             raise
@@ -142,12 +147,23 @@ class LLM:
         return False
 
     def output(self, req: Request) -> dict:
-        out = {"index": req.index, "prompt_token_ids": req.prompt_ids, "output_token_ids": req.output_ids,
+        out = {"index": req.index, "sample": req.sample, "prompt_token_ids": req.prompt_ids,
+               "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
                "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}
+        if req.params.logprobs and req.error is None:
+            out["logprobs"] = req.logprobs
+        tags = self._think_tags()
+        if tags is not None and req.error is None:
+            out["reasoning"], out["text"] = split_reasoning(out["text"] or "", opens_thinking(req.prompt_ids, tags))
         if req.error is not None:
             out["error"] = req.error
         return out
+
+    def _think_tags(self) -> tuple[int, int] | None:
+        if self._think is None:
+            self._think = (think_tags(self.tokenizer) if self.cfg["chat"] else None,)
+        return self._think[0]
 
     def shutdown(self) -> None:
         """Leave the process group. Call on every rank at the end of a script."""

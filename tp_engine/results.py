@@ -25,7 +25,10 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
         f = model / name
         settings[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
-    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()})
+    # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
+    # on, so that lines written before the key existed keep their `run`.
+    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
+                     if k != "n" and not (k == "logprobs" and v == 0)})
     for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
         if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
             settings[k] = float(v)
@@ -42,15 +45,22 @@ def settings_path(target: Path) -> Path:
     return target.with_name(target.name + ".run.json")
 
 
-def read_for_resume(target: Path, shown: str, encoded: list, settings: dict) -> tuple[dict[int, dict], list[dict]]:
-    """(finished lines to keep, by index; error lines, kept until their prompt has run again).
+def key(out: dict) -> tuple[int, int]:
+    """A line's place: (prompt index, sample); lines without `sample` (n = 1) are sample 0."""
+    return out["index"], out.get("sample", 0)
 
-    A finished line is kept only if this run would write it: its index is in the prompt list, its
-    prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error lines are always retried.
+
+def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
+                    samples: int = 1) -> tuple[dict[tuple[int, int], dict], list[dict]]:
+    """(finished lines to keep, by (index, sample); error lines, kept until their prompt has run again).
+
+    A finished line is kept only if this run would write it: its index is in the prompt list, its sample below
+    `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error
+    lines are always retried.
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
     lines = target.read_bytes().split(b"\n")
     lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash
-    done: dict[int, dict] = {}
+    done: dict[tuple[int, int], dict] = {}
     retry: list[dict] = []
     problems: list[str] = []
     this_run, saved = run_id(settings), _saved_settings(target)
@@ -61,15 +71,18 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict) -> 
             out = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             out = None
-        if not (isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list)):
+        if not (isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list)
+                and isinstance(out.get("sample", 0), int)):
             problems.append(f"line {n} is not a result line")
             continue
-        i = out["index"]
+        i, j = key(out)
         if out.get("finish_reason") == "error":
-            if 0 <= i < len(encoded):
+            if 0 <= i < len(encoded) and 0 <= j < samples:
                 retry.append(out)
         elif not 0 <= i < len(encoded):
             problems.append(f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
+        elif not 0 <= j < samples:
+            problems.append(f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
         elif out.get("run") != this_run:
             problems.append(_settings_change(saved, out.get("run"), settings, n))
         elif isinstance(encoded[i], Exception):
@@ -77,12 +90,12 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict) -> 
         elif out["prompt_token_ids"] != encoded[i]:
             problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
         else:
-            done[i] = out
+            done[i, j] = out
     if problems:
         count = f"{len(problems)} of {len(problems) + len(done) + len(retry)} lines differ"
         raise ConfigError(f"resume: {shown}: {problems[0]} ({count}); nothing was changed. Use a new output, "
                           "or resume: false to replace it")
-    return done, [r for r in retry if r["index"] not in done]
+    return done, [r for r in retry if key(r) not in done]
 
 
 def _saved_settings(target: Path) -> dict:
@@ -116,20 +129,20 @@ class ResultSink:
                  retry: list[dict] | None = None, decode: Callable[[list[int]], str | None] | None = None) -> None:
         self.target, self.shown, self.settings, self.decode = target, shown, settings, decode
         self.run = run_id(settings)
-        self.results: dict[int, dict] = dict(done or {})
-        self.done_indices = set(self.results)
+        self.results: dict[tuple[int, int], dict] = dict(done or {})
+        self.done_keys = set(self.results)  # (index, sample) of the lines kept from an earlier run
         self.retry = list(retry or [])
         self.new = 0
         self.file = None
 
     def add(self, out: dict) -> None:
         out = {**out, "run": self.run}
-        self.results[out["index"]] = out
+        self.results[key(out)] = out
         self.new += 1
         if self.target is None:
             return
         if self.file is None:  # the first result of this run: only now may the old file go
-            kept = [self.results[i] for i in sorted(self.done_indices)]
+            kept = [self.results[k] for k in sorted(self.done_keys)]
             write_settings(self.target, self.run, self.settings)
             write_lines(self.target, kept + self.retry + [out])
             self.file = self.target.open("a", encoding="utf-8")
@@ -147,7 +160,8 @@ class ResultSink:
             write_lines(self.target, ordered)
         elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
             for out in ordered:
-                head = f"[{out['index']}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
+                place = f"{out['index']}.{out['sample']}" if out.get("sample") else out["index"]
+                head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
                 body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
         else:
@@ -157,7 +171,7 @@ class ResultSink:
     def on_stop(self) -> str:
         """The run is being stopped by a signal: keep what finished, and say where it is."""
         if self.target is not None:
-            if self.new == 0 and not self.done_indices:
+            if self.new == 0 and not self.done_keys:
                 return f"no result had finished; {self.shown} was left as it was"
             return f"finished results are in {self.shown}; run again with resume: true to continue"
         for i in sorted(self.results):

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tp_engine.config import SCHEMA, check_value
-
-_M32 = 0xFFFFFFFF
+from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, noise_at, row_hash
 
 
 @dataclass
@@ -27,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    n: int = 1
+    logprobs: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -42,19 +43,27 @@ class SamplingParams:
             check_value(f"SamplingParams.{f.name}", SCHEMA[key], getattr(self, f.name))
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int64 tensors (values stay below 2**63, so no overflow)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+def request_seed(seed: int, index: int, sample: int = 0) -> int:
+    """The seed of sample `sample` of prompt `index`. Sample 0 keeps the stream of a run without `n`; sample
+    j > 0 mixes j in with the counter hash (in Python ints: called per request per step), so it depends on
+    (seed, index, j) only, never on n."""
+    base = seed * 1_000_003 + index
+    if sample == 0:
+        return base
+    return _mix(_mix(base & M32) ^ _mix(sample * 0x9E3779B1 & M32))
+
+
+def _mix(x: int) -> int:
+    """topk_sampling.hash32 on one Python int."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
     return (x >> 16) ^ x
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] uniforms in (0, 1), a pure function of (seed, step, token id) per row."""
-    row = _hash32(_hash32(seeds & _M32) ^ (steps & _M32))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _hash32((row[:, None] + ids[None, :] * 0x9E3779B1) & _M32)
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    return noise_at(row_hash(seeds, steps), ids[None, :].expand(seeds.shape[0], -1))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -64,41 +73,54 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
-    """logits: [B, vocab] fp32 -> chosen ids [B] (int64)."""
+    """logits: [B, vocab] fp32 -> chosen ids [B] (int64). Each row's draw depends on its own values only."""
     greedy = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not rows:
         return greedy
+    dev, vocab = logits.device, logits.shape[-1]
+    plain = [i for i in rows if params[i].top_k == 0 and params[i].top_p >= 1]
+    topk = [i for i in rows if params[i].top_k > 0]
+    nucleus = [i for i in rows if params[i].top_k == 0 and params[i].top_p < 1]
+    if plain:
+        greedy[to_device(plain, torch.int64, dev)] = _plain_draw(logits, plain, params, seeds, steps)
+    for group in (topk, nucleus):
+        if not group:
+            continue
+        rows_t = to_device(group, torch.int64, dev)
+        x = logits[rows_t] / to_device([params[i].temperature for i in group], torch.float32, dev)[:, None]
+        hashes = row_hash(to_device([seeds[i] for i in group], torch.int64, dev),
+                          to_device([steps[i] for i in group], torch.int64, dev))
+        k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
+        p = to_device([params[i].top_p for i in group], torch.float32, dev)
+        if group is topk:  # a few candidates per row, no sort of the vocabulary
+            greedy[rows_t] = candidate_draw(x, k, p, hashes, max(params[i].top_k for i in group))
+        else:  # top_p alone bounds no candidate count: sort the vocabulary
+            greedy[rows_t] = full_sort_draw(x, k, p, hashes)
+    return greedy
+
+
+def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
+                steps: list[int]) -> torch.Tensor:
+    """Temperature only: Gumbel-max over the whole vocabulary (one fused pass on CUDA)."""
     dev = logits.device
-    if logits.is_cuda and logits.dtype == torch.float32 and all(
-            params[i].top_k == 0 and params[i].top_p >= 1 for i in rows):
+    hashes = row_hash(to_device([seeds[i] for i in rows], torch.int64, dev),
+                      to_device([steps[i] for i in rows], torch.int64, dev))
+    temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+    rows_t = to_device(rows, torch.int64, dev)
+    if logits.is_cuda and logits.dtype == torch.float32:
         from tp_engine.kernels import fused_ops
         ops = fused_ops(dev)
         if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
-            row_hash = _hash32(_hash32(to_device([seeds[i] for i in rows], torch.int64, dev) & _M32)
-                               ^ (to_device([steps[i] for i in rows], torch.int64, dev) & _M32))
-            temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
-            rows_t = to_device(rows, torch.int64, dev)
-            if logits.stride(-1) != 1:
-                logits = logits.contiguous()
-            greedy[rows_t] = ops.gumbel_argmax(logits, rows_t, temps, row_hash)
-            return greedy
-    rows_t = to_device(rows, torch.int64, dev)
-    x = logits[rows_t] / to_device([params[i].temperature for i in rows], torch.float32, dev)[:, None]
-    top_k = [params[i].top_k for i in rows]
-    if any(top_k):
-        k = to_device([t if t > 0 else x.shape[-1] for t in top_k], torch.int64, dev)
-        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=x.shape[-1] - 1)[:, None])
-        x = x.masked_fill(x < kth, float("-inf"))
-    if any(params[i].top_p < 1 for i in rows):
-        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = cum - sorted_x.softmax(-1) > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
-        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    u = uniform_noise(to_device([seeds[i] for i in rows], torch.int64, dev),
-                      to_device([steps[i] for i in rows], torch.int64, dev), x.shape[-1])
-    chosen = (x - torch.log(-torch.log(u))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
-    out = greedy.clone()
-    out[rows_t] = chosen
-    return out
+            return ops.gumbel_argmax(logits if logits.stride(-1) == 1 else logits.contiguous(), rows_t, temps, hashes)
+    x = logits[rows_t] / temps[:, None]
+    ids = torch.arange(x.shape[-1], device=dev, dtype=torch.int64)[None, :].expand(len(rows), -1)
+    return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """From fp32 logits [B, vocab] (before temperature and filters): the chosen tokens' log-probabilities [B],
+    and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the vocabulary."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(k, dim=-1, sorted=True)
+    return lp.gather(1, tokens[:, None]).squeeze(1), top.indices, top.values

@@ -54,6 +54,8 @@ class Request:
     slot: int = -1  # the request's page table on every rank (step_message.PageTables)
     sent_pages: int = 0  # how many of `pages` the other ranks' table of this slot holds
     keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of its first full pages
+    sample: int = 0  # which of the prompt's `n` samples this request is
+    logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
 
     @property
     def all_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ if triton is not None:
         v = ((v >> 16) ^ v) * 0x45D9F3B
         v = (v >> 16) ^ v
         u = ((v >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = tl.minimum(u, 0.99999994039535522)  # topk_sampling.U_MAX: never 1.0, whose noise is infinite
         g = x - _log(-_log(u))
         g = tl.where(mask, g, float("-inf"))
         best, arg = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)

@@ -1,0 +1,137 @@
+"""GPU: logprobs on bf16 against transformers, and the top-k / top-p candidate draw on CUDA fp32 logits.
+
+Needs a CUDA GPU (marker `gpu`); skips elsewhere. The checkpoint is a tiny Qwen3 trained until it knows
+gpu_helpers.SEQUENCES by heart (peaked logits), as in test_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMPTS, llm, memorize,
+                         needs_flashinfer)
+from helpers import free_port
+from test_sampling import mixed_params, random_rows, reference
+from tp_engine.sampler import SamplingParams, request_seed, sample
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+
+def logprob_tolerance(logits: torch.Tensor) -> float:
+    """The engine's logits come from bf16 activations and a bf16 LM head: gpu_helpers' near-tie rule bounds how
+    far one bf16 logit strays from the fp32 reference (2% of the largest logit, at least 0.1). A log-probability
+    is a logit minus a log-sum-exp dominated by the largest logits, so it may stray twice that."""
+    return 2 * max(NEAR_TIE_ABS, NEAR_TIE_REL * logits.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return memorize(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3_lp"))
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tiny_ckpt):
+    """transformers in fp32 on the same bf16 weights."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
+
+
+def check_logprobs(ref, prompts, outs) -> int:
+    """Greedy outputs' logprobs against the reference's log-softmax (float64); returns the entries checked."""
+    checked = 0
+    for prompt, out in zip(prompts, outs):
+        ids = out["output_token_ids"]
+        with torch.inference_mode():
+            logits = ref(input_ids=torch.tensor([prompt + ids], device=DEV)).logits[0, len(prompt) - 1:-1]
+        lp = torch.log_softmax(logits.double(), dim=-1).cpu()
+        assert [e["token"] for e in out["logprobs"]] == ids
+        for t, e in enumerate(out["logprobs"]):
+            tol = logprob_tolerance(logits[t])
+            assert abs(e["logprob"] - lp[t, ids[t]].item()) < tol, (t, e["logprob"], lp[t, ids[t]].item(), tol)
+            assert e["top"][0][0] == ids[t]  # greedy: the chosen token is the most likely
+            values = [v for _, v in e["top"]]
+            assert values == sorted(values, reverse=True) and len(values) == 5
+            for i, v in e["top"]:
+                assert abs(v - lp[t, i].item()) < tol
+            assert sum(torch.tensor(values).exp()) <= 1 + 1e-4
+            checked += 1
+    return checked
+
+
+def test_logprobs_on_bf16_are_close_to_transformers(tiny_ckpt, hf_ref):
+    needs_flashinfer()
+    engine = llm(tiny_ckpt)  # decode steps in CUDA graphs
+    outs = engine.generate([{"input_ids": p} for p in PARITY_PROMPTS[:4]],
+                           SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=5))
+    assert check_logprobs(hf_ref, PARITY_PROMPTS, outs) == 48
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_logprobs_and_samples_at_tp2(tiny_ckpt, hf_ref, tmp_path):
+    """Only rank 0 has the gathered logits: the logprobs at TP 2 are those of the whole vocabulary."""
+    needs_flashinfer()
+    prompts = PARITY_PROMPTS[:4]
+    lines = {}
+    for name, sampling in (("greedy", {"logprobs": 5}),
+                           ("sampled", {"logprobs": 3, "n": 2, "temperature": 0.8, "top_k": 20, "top_p": 0.95})):
+        out = tmp_path / f"{name}.jsonl"
+        cfg = {"model": tiny_ckpt, "prompts": [{"input_ids": p} for p in prompts], "output": str(out),
+               "sampling": {"max_new_tokens": 12, "ignore_eos": True, **sampling}, "kv_cache": {"num_pages": 256},
+               "max_batch_size": 8, "cuda_graph_max_batch": 8}
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(cfg))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "launch/generate.py", "--config", str(tmp_path / f"{name}.yaml"), "--quiet"]
+        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=150, env=dict(os.environ))
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        lines[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    assert check_logprobs(hf_ref, prompts, lines["greedy"]) == 48
+    assert [(x["index"], x["sample"]) for x in lines["sampled"]] == [(i, j) for i in range(4) for j in range(2)]
+    for x in lines["sampled"]:
+        assert [e["token"] for e in x["logprobs"]] == x["output_token_ids"]
+        assert all(len(e["top"]) == 3 and e["logprob"] <= e["top"][0][1] + 1e-6 for e in x["logprobs"])
+
+
+def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
+    gen = torch.Generator().manual_seed(3)
+    for vocab in (1000, 151936):
+        n = 64 if vocab > 10000 else 400
+        logits = random_rows(gen, n, vocab, DEV)
+        params = mixed_params(n, vocab)
+        seeds = [request_seed(9, i, i % 4) for i in range(n)]
+        steps = [i % 11 for i in range(n)]
+        got = sample(logits, params, seeds, steps)
+        assert torch.equal(got, reference(logits, params, seeds, steps)), vocab
+        # bf16-rounded logits: many exact ties
+        tied = logits.to(torch.bfloat16).float()
+        assert torch.equal(sample(tied, params, seeds, steps), reference(tied, params, seeds, steps)), vocab
+
+
+def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
+    """The fused temperature-only kernel clamps the uniform below 1 exactly as topk_sampling.noise_at does."""
+    from tp_engine.kernels import select
+    from tp_engine.sampler import uniform_noise
+
+    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    vocab = 1 << 17
+    seeds = [s for s in range(2000)
+             if (uniform_noise(torch.tensor([s]), torch.tensor([0]), vocab) >= 1 - 2 ** -24).any()]
+    assert len(seeds) >= 4
+    logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(temperature=0.7)] * len(seeds)
+    got = sample(logits.to(DEV), params, seeds, [0] * len(seeds)).cpu()
+    assert torch.equal(got, sample(logits, params, seeds, [0] * len(seeds)))

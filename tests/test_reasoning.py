@@ -1,0 +1,87 @@
+"""Thinking output: `reasoning` apart from `text` for chat templates that emit <think>...</think>."""
+import shutil
+
+import pytest
+
+from helpers import make_checkpoint, run_cli
+from tp_engine.llm import LLM
+from tp_engine.reasoning import split_reasoning
+from tp_engine.sampler import SamplingParams
+
+VOCAB = 384
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+PLAIN = THINKING.split("{% if enable_thinking")[0] + "{% endif %}"
+
+
+def write_tokenizer(path, names, template):
+    """A word-level tokenizer: id i is names[i]; decoding joins the words with spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", chat_template=template)
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A random model, and a prompt whose greedy output's tokens 0 and 3 occur once each in it and not in the
+    prompt: the tokenizers below name them <think> and </think>."""
+    root = tmp_path_factory.mktemp("think")
+    ckpt = make_checkpoint(root / "m", vocab=VOCAB)
+    llm = LLM(model=str(ckpt), device="cpu")
+    for start in range(5, 200, 7):
+        prompt = [start, start + 1, start + 2]
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=8))[0]["output_token_ids"]
+        a, b = out[0], out[3]
+        if a != b and out.count(a) == out.count(b) == 1 and a not in prompt and b not in prompt:
+            return ckpt, prompt, out
+    raise AssertionError("no suitable prompt")
+
+
+def with_tokenizer(ckpt, path, out, template):
+    shutil.copytree(ckpt, path)
+    names = [f"w{i}" for i in range(VOCAB)]
+    names[out[0]], names[out[3]] = "<think>", "</think>"
+    write_tokenizer(path, names, template)
+    return str(path)
+
+
+def words(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_reasoning_is_split_from_the_answer(model, tmp_path):
+    ckpt, prompt, out = model
+    thinking = with_tokenizer(ckpt, tmp_path / "t", out, THINKING)
+    cfg = {"model": thinking, "chat": True, "prompts": [{"input_ids": prompt}], "sampling": {"max_new_tokens": 8}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0]["output_token_ids"] == out
+    assert lines[0]["reasoning"] == words(out[1:3]) and lines[0]["text"] == words(out[4:])
+    # the length limit inside the think block: all reasoning
+    short = run(thinking, prompt, max_new_tokens=3)
+    assert short["reasoning"] == words(out[1:3]) and short["text"] == ""
+    # chat: false, or a template without <think>: no field, the text as decoded
+    decoded = f"<think> {words(out[1:3])} </think> {words(out[4:])}"
+    nochat = run(thinking, prompt, chat=False)
+    assert "reasoning" not in nochat and nochat["text"] == decoded
+    plain = run(with_tokenizer(ckpt, tmp_path / "p", out, PLAIN), prompt)
+    assert "reasoning" not in plain and plain["text"] == decoded
+
+
+def run(model, prompt, chat=True, max_new_tokens=8):
+    llm = LLM(model=model, device="cpu", chat=chat)
+    return llm.generate([{"input_ids": prompt}], SamplingParams(max_new_tokens=max_new_tokens))[0]
+
+
+def test_split_reasoning_rules():
+    assert split_reasoning("<think>\nplan a\n</think>\n\nThe answer.") == ("plan a", "The answer.")
+    assert split_reasoning("<think>still thinking") == ("still thinking", "")
+    assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")  # the prompt opened it
+    assert split_reasoning("thought</think> answer", open_think=True) == ("thought", "answer")
+    assert split_reasoning("Just an answer.") == ("", "Just an answer.")  # thinking turned off in the prompt

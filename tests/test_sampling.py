@@ -1,0 +1,117 @@
+"""The sampler's top-k / top-p draw over candidates against the full-vocabulary reference; sample seeds."""
+import pytest
+import torch
+
+from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs, uniform_noise
+from tp_engine.topk_sampling import full_sort_draw, row_hash
+
+
+def reference(logits, params, seeds, steps):
+    """The sampler's former full-vocabulary path: sort every row, mask, Gumbel noise at every token id.
+    Top-k keeps exactly k tokens, ties at the k-th value going to the lower ids (a stable sort)."""
+    out = logits.argmax(dim=-1)
+    dev = logits.device
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    k = torch.tensor([params[i].top_k or vocab for i in rows], device=dev)
+    sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
+    probs = sorted_x.softmax(-1)
+    drop = probs.cumsum(-1) - probs > top_p[:, None]
+    x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
+                      torch.tensor([steps[i] for i in rows], device=dev), vocab)
+    out[rows] = (x - torch.log(-torch.log(u))).argmax(dim=-1)
+    return out
+
+
+def random_rows(gen, n, vocab, device="cpu"):
+    logits = torch.randn(n, vocab, generator=gen).to(device) * 3
+    for r in range(0, n, 3):  # ties: values rounded to a coarse grid, as bf16 logits are
+        logits[r] = (logits[r] * 2).round() / 2
+    logits[1::7] = 0.0  # all tokens equal
+    return logits
+
+
+def mixed_params(n, vocab):
+    choices_k = [1, 2, 5, 20, 64, vocab + 3]  # larger than the vocabulary too
+    choices_p = [1.0, 0.95, 0.5, 1e-6]
+    return [SamplingParams(temperature=[0.3, 0.7, 1.0, 2.5][i % 4], top_k=choices_k[i % 6],
+                           top_p=choices_p[(i // 6) % 4]) for i in range(n)]
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_candidate_path_equals_full_vocabulary_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    n = 400
+    logits = random_rows(gen, n, vocab)
+    choices_p = [1.0, 0.95, 0.5, 1e-6]
+    params = mixed_params(n, vocab)
+    seeds = [request_seed(3, i, i % 3) for i in range(n)]
+    steps = [i * 7 % 13 for i in range(n)]
+    got = sample(logits, params, seeds, steps)
+    want = reference(logits, params, seeds, steps)
+    assert torch.equal(got, want), (got != want).nonzero()[:5]
+    # top_k = 0 with top_p < 1 sorts the vocabulary, through the same masks
+    nucleus = [SamplingParams(temperature=0.8, top_p=choices_p[i % 4]) for i in range(n)]
+    assert torch.equal(sample(logits, nucleus, seeds, steps), reference(logits, nucleus, seeds, steps))
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch_mates():
+    gen = torch.Generator().manual_seed(1)
+    logits = random_rows(gen, 60, 300)
+    params = [SamplingParams(temperature=1.0, top_k=[1, 3, 40, 0, 0][i % 5], top_p=[1.0, 0.9, 0.3][i % 3])
+              for i in range(60)]
+    seeds, steps = list(range(60)), [5] * 60
+    together = sample(logits, params, seeds, steps)
+    alone = torch.cat([sample(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(60)])
+    assert torch.equal(together, alone)
+    k1 = [i for i in range(60) if params[i].top_k == 1]
+    assert torch.equal(together[k1], logits[k1].argmax(-1))  # k = 1 is greedy (ties: the lowest id)
+
+
+def test_full_sort_draw_breaks_ties_by_token_id():
+    x = torch.zeros(1, 8)
+    x[0, [2, 5, 6]] = 1.0
+    # top_k 2 of three tied tokens keeps ids 2 and 5; over many rows both appear and 6 never does
+    rows = row_hash(torch.arange(400), torch.zeros(400, dtype=torch.int64))
+    got = full_sort_draw(x.expand(400, -1) * 50, torch.full((400,), 2), torch.ones(400), rows)
+    assert set(got.tolist()) == {2, 5}
+
+
+def test_sample_seeds_keep_sample_zero_and_differ_per_sample():
+    assert request_seed(7, 3, 0) == 7 * 1_000_003 + 3  # n = 1 keeps the stream of earlier versions
+    seeds = {request_seed(7, i, j) & 0xFFFFFFFF for i in range(50) for j in range(8)}
+    assert len(seeds) == 400
+
+
+def test_token_logprobs_match_log_softmax():
+    logits = torch.randn(3, 100)
+    tokens = torch.tensor([4, 50, 99])
+    chosen, ids, vals = token_logprobs(logits, tokens, 5)
+    ref = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(chosen.double(), ref[torch.arange(3), tokens], atol=1e-5, rtol=0)
+    assert torch.equal(ids, ref.topk(5).indices)
+    assert (vals[:, :-1] >= vals[:, 1:]).all()
+
+
+def test_noise_at_the_top_hash_value_is_finite_and_masked_tokens_never_win():
+    """One token in 2**24 hashes to the top 24-bit value, whose uniform once rounded to 1.0: infinite noise,
+    so a token outside top-k (NaN) or any token in a temperature-only row won regardless of its logit."""
+    vocab = 1 << 17
+    for seed in range(400):
+        u = uniform_noise(torch.tensor([seed]), torch.tensor([0]), vocab)
+        if (u >= 1 - 2 ** -24).any():
+            break
+    else:
+        raise AssertionError("no top hash value found")
+    hit = int((u[0] >= 1 - 2 ** -24).nonzero()[0])
+    assert torch.isfinite(torch.log(-torch.log(u))).all()
+    logits = torch.zeros(1, vocab)
+    logits[0, 7] = 40.0  # certain under any of the draws below
+    logits[0, hit] = -40.0
+    for p in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_k=5, top_p=0.5),
+              SamplingParams(temperature=1.0)):
+        assert sample(logits, [p], [seed], [0]).item() == 7, p

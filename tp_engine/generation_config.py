@@ -1,0 +1,62 @@
+"""Sampling defaults from the checkpoint's generation_config.json (Qwen3: do_sample true, temperature 0.6,
+top_k 20, top_p 0.95), for the `sampling` keys the config leaves unset.
+
+They apply only when the file says do_sample: true, as in transformers, where a generation_config without
+it decodes greedily (transformers' save_pretrained writes such files for any model). With do_sample: true,
+a field the file leaves out takes transformers' GenerationConfig default (temperature 1.0, top_k 50,
+top_p 1.0), which is what transformers would sample with.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tp_engine.textio import decode_utf8
+
+HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+class GenerationConfigError(ValueError):
+    """generation_config.json cannot be read or has a field of the wrong type; the message names the file."""
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_CHECKS = {  # field: (is it valid, what it must be)
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+}
+
+
+def sampling_defaults(model_dir: str) -> dict[str, Any]:
+    """{temperature, top_k, top_p} from `model_dir`/generation_config.json; {} without the file or without
+    do_sample: true."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(decode_utf8(path.read_bytes(), str(path), GenerationConfigError))
+    except json.JSONDecodeError as e:
+        raise GenerationConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise GenerationConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    do_sample = raw.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got {json.dumps(do_sample)}")
+    if not do_sample:
+        return {}
+    out = {}
+    for name, default in HF_DEFAULTS.items():
+        v = raw.get(name)
+        if v is None:
+            v = default
+        ok, want = _CHECKS[name]
+        if not ok(v):
+            raise GenerationConfigError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)}")
+        out[name] = v
+    return out

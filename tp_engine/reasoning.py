@@ -1,0 +1,40 @@
+"""Thinking output of chat templates that emit `<think>...</think>` (Qwen3): the reasoning apart from the answer.
+
+On when `chat: true` and the tokenizer's chat template writes `<think>`, with `<think>` and `</think>` single,
+non-special tokens (so decoding keeps them in the text, as Qwen3's tokenizer does); off otherwise.
+"""
+from __future__ import annotations
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def think_tags(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when the tokenizer's chat template thinks; else None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not isinstance(template, str) or THINK_START not in template:
+        return None
+    vocab = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    if any(t not in vocab or t in special for t in (THINK_START, THINK_END)):
+        return None
+    return vocab[THINK_START], vocab[THINK_END]
+
+
+def opens_thinking(prompt_ids: list[int], tags: tuple[int, int]) -> bool:
+    """Whether the prompt ends inside a think block (templates that write `<think>` into the generation prompt)."""
+    start, end = tags
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    return last_start > last_end
+
+
+def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of an output's text: the reasoning is what lies inside `<think>...</think>`, stripped;
+    the answer what follows `</think>`, without its leading blank lines. A think block that never ends (the
+    length limit came first) is all reasoning; an output that does not think is all answer."""
+    head, closed, tail = text.partition(THINK_END)
+    if closed:
+        return head.replace(THINK_START, "", 1).strip(), tail.lstrip()
+    if open_think or text.lstrip().startswith(THINK_START):
+        return text.replace(THINK_START, "", 1).strip(), ""
+    return "", text

@@ -1,0 +1,45 @@
+"""A step's sampled tokens (and log-probabilities) on their way to rank 0's host, and back into the requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tp_engine.scheduler import Plan, Request
+
+
+@dataclass
+class Issued:
+    """A step sent to the GPU whose tokens rank 0 has not read yet."""
+    plan: Plan
+    tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
+    done: torch.cuda.Event | None  # recorded after the copies (None on CPU, where they are synchronous)
+    logprobs: tuple[torch.Tensor, ...] = ()  # sampler.token_logprobs on the host, when a request asked for them
+
+
+def to_host(plan: Plan, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...]) -> Issued:
+    """Queue the copies to the host without waiting for the GPU: into pinned memory, then one event."""
+    if not tokens.is_cuda:
+        return Issued(plan, tokens.clone(), None, logprobs)
+    host = []
+    for t in (tokens, *logprobs):
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    done = torch.cuda.Event()
+    done.record()
+    return Issued(plan, host[0], done, tuple(host[1:]))
+
+
+def add_logprobs(step: Issued, got: list[Request]) -> None:
+    """Append one logprobs entry to each request that took a token from this step (a request that had already
+    finished drops its token, and so its entry: the list stays aligned with output_ids)."""
+    if not step.logprobs:
+        return
+    chosen, top_ids, top_vals = (t.tolist() for t in step.logprobs)
+    took = {id(r) for r in got}
+    for row, r in enumerate(step.plan.reqs):
+        k = r.params.logprobs
+        if k and id(r) in took:
+            r.logprobs.append({"token": r.output_ids[-1], "logprob": chosen[row],
+                               "top": [[i, v] for i, v in zip(top_ids[row][:k], top_vals[row][:k])]})
