@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMPTS, llm, memorize,
+from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMPTS, llm, tiny_memorized,
                          needs_flashinfer)
 from helpers import free_port
 from test_sampling import mixed_params, random_rows, reference
@@ -32,14 +32,7 @@ def logprob_tolerance(logits: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    return memorize(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3_lp"))
+    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3_lp"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tp_engine.textio import decode_utf8
+from tp_engine.textio import read_json_object
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
@@ -39,12 +39,7 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        raw = json.loads(decode_utf8(path.read_bytes(), str(path), GenerationConfigError))
-    except json.JSONDecodeError as e:
-        raise GenerationConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise GenerationConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path, GenerationConfigError)
     do_sample = raw.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got {json.dumps(do_sample)}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tp_engine.textio import decode_utf8
+from tp_engine.textio import read_json_object
 
 from tp_engine.quant import QuantConfig
 
@@ -167,13 +167,7 @@ class MoeConfig:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(decode_utf8(path.read_bytes(), str(path), ModelError))
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_json_object(path, ModelError)
 
 
 # The config.json fields the engine reads, by type. Without these checks a wrong type ("4" for 4, null for a

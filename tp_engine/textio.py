@@ -2,7 +2,9 @@
 newlines only."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) -> str:
@@ -18,6 +20,17 @@ def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) ->
 
 def read_utf8(path: str | Path, error: type[Exception] = ValueError) -> str:
     return decode_utf8(Path(path).read_bytes(), str(path), error)
+
+
+def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """A JSON file that must hold one object (config.json, generation_config.json); `error` names the file."""
+    try:
+        raw = json.loads(decode_utf8(path.read_bytes(), str(path), error))
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def jsonl_lines(text: str) -> list[str]:
