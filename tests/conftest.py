@@ -3,3 +3,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+import pytest  # noqa: E402
+
+
+# The GPU tests' checkpoint and reference, shared by test_gpu*.py (here, so that a session trains it once).
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> str:
+    """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows gpu_helpers.SEQUENCES; bf16."""
+    from gpu_helpers import tiny_memorized
+    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def hf_ref(tiny_ckpt):
+    """transformers on the same checkpoint in fp32 (bf16 weights, fp32 arithmetic): the judge of near ties."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gpu_helpers import DEV
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()

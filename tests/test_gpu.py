@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
-                         tiny_memorized)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -27,23 +26,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 # ---- fixtures ----
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> str:
-    """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows gpu_helpers.SEQUENCES; bf16."""
-    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture(scope="session")
 def hf_model(tiny_ckpt):
     """transformers on the same checkpoint in bf16: the greedy tokens to match."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=BF16).to(DEV).eval()
-
-
-@pytest.fixture(scope="session")
-def hf_ref(tiny_ckpt):
-    """transformers on the same checkpoint in fp32 (bf16 weights, fp32 arithmetic): the judge of near ties."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
 
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1500, 2, 77],

@@ -15,24 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
-                         tiny_memorized)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm, needs_flashinfer)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
 # prompts that are prefixes of one another, identical ones, and others: pages are shared within a step
 SHARED = [SEQUENCES[0][:n].tolist() for n in (16, 24, 33, 24, 40)] + [SEQUENCES[1][:n].tolist() for n in (20, 20, 31)]
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory) -> str:
-    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture(scope="module")
-def hf_ref(tiny_ckpt):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
 
 
 def test_prefix_cache_on_equals_off_with_cuda_graphs(tiny_ckpt, hf_ref):

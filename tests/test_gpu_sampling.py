@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMPTS, llm, tiny_memorized,
+from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMPTS, llm,
                          needs_flashinfer)
 from helpers import free_port
 from test_sampling import mixed_params, random_rows, reference
@@ -28,18 +28,6 @@ def logprob_tolerance(logits: torch.Tensor) -> float:
     far one bf16 logit strays from the fp32 reference (2% of the largest logit, at least 0.1). A log-probability
     is a logit minus a log-sum-exp dominated by the largest logits, so it may stray twice that."""
     return 2 * max(NEAR_TIE_ABS, NEAR_TIE_REL * logits.abs().max().item())
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory) -> str:
-    return tiny_memorized(tmp_path_factory.mktemp("tiny_qwen3_lp"))
-
-
-@pytest.fixture(scope="module")
-def hf_ref(tiny_ckpt):
-    """transformers in fp32 on the same bf16 weights."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(DEV).eval()
 
 
 def check_logprobs(ref, prompts, outs) -> int:

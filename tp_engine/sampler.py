@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tp_engine.config import SCHEMA, check_value
-from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, noise_at, row_hash
+from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash
 
 
 @dataclass
@@ -50,14 +50,7 @@ def request_seed(seed: int, index: int, sample: int = 0) -> int:
     base = seed * 1_000_003 + index
     if sample == 0:
         return base
-    return _mix(_mix(base & M32) ^ _mix(sample * 0x9E3779B1 & M32))
-
-
-def _mix(x: int) -> int:
-    """topk_sampling.hash32 on one Python int."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
-    return (x >> 16) ^ x
+    return hash32(hash32(base & M32) ^ hash32(sample * 0x9E3779B1 & M32))  # on Python ints as on tensors
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
