@@ -102,6 +102,23 @@ def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
         assert torch.equal(sample(tied, params, seeds, steps), reference(tied, params, seeds, steps)), vocab
 
 
+def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
+    """temperature 0.6, top_k 20, top_p 0.95 (Qwen3's generation_config.json): every row's candidates come from
+    kernels/sampling.topk_candidates; the draws equal the CPU full-sort reference, bf16 ties included."""
+    from tp_engine.kernels import select
+
+    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    gen = torch.Generator().manual_seed(5)
+    n, vocab = 64, 151936
+    logits = random_rows(gen, n, vocab)
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * n
+    seeds = [request_seed(1, i) for i in range(n)]
+    for step in range(2):
+        for rows in (logits, logits.to(torch.bfloat16).float()):
+            got = sample(rows.to(DEV), params, seeds, [step] * n).cpu()
+            assert torch.equal(got, reference(rows, params, seeds, [step] * n)), step
+
+
 def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
     """The fused temperature-only kernel clamps the uniform below 1 exactly as topk_sampling.noise_at does."""
     from tp_engine.kernels import select

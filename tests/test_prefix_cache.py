@@ -99,6 +99,34 @@ def test_chunked_prefill_while_others_decode(ckpt):
         assert any(not prefill for _, _, prefill in plans)  # and pure decode steps
 
 
+def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
+    """With a small max_prefill_cost_while_decoding, a long prompt among decoding requests is cut into chunks
+    that shrink as its context grows (each costing at most the bound, step_budget.py); equal to transformers."""
+    from tp_engine.step_budget import StepBudget
+
+    long = [random.Random(11).randrange(1, 384) for _ in range(120)]
+    prompts = [PROMPTS[0], PROMPTS[5], long]
+    want = hf_generate(ckpt, prompts, NEW)
+    # the first step admits the short prompts and the start of the long one; from the second on, they decode
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4}, max_prefill_cost_while_decoding=24,
+              max_prefill_tokens=40)
+    span = llm.engine.model_cfg.attention_span
+    chunks = []
+    issue = llm.engine.issue
+
+    def record(sched, plan):
+        chunks.extend((r.num_cached, n) for r, n in zip(plan.reqs, plan.lens)
+                      if r.index == 2 and r.num_cached < len(long) and len(plan.reqs) > 1)
+        return issue(sched, plan)
+
+    llm.engine.issue = record
+    out = generate(llm, prompts)
+    assert [o["output_token_ids"] for o in out] == want
+    assert len(chunks) >= 5 and sum(n for _, n in chunks) == len(long)
+    assert all(StepBudget(0, span=span).chunk_cost(s, n) <= 24 or n == 1 for s, n in chunks)
+    assert chunks[1][1] > chunks[-1][1]  # deeper chunks are shorter (the first came before any decoded)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
     cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "max_prefill_tokens": 12,
@@ -123,7 +151,8 @@ def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
            "--workload", "shared_prefix,long_prompt", "--engine", "ours", "--set", "device=cpu",
            "--set", "max_prefill_tokens=48", "--num-requests", "6", "--prefix-len", "40", "--suffix-min", "3",
            "--suffix-max", "9", "--shared-new-tokens", "4", "--long-len", "200", "--long-decoders", "4",
-           "--prompt-len", "8", "--long-decode-tokens", "24", "--long-after", "2", "--out", str(out)]
+           "--prompt-len", "8", "--long-decode-tokens", "24", "--long-after", "2", "--long-costs", "16",
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -132,5 +161,7 @@ def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
     assert shared["on"]["output_tokens"] == shared["off"]["output_tokens"] == 24 and shared["speedup"] > 0
     long = res["long_prompt"]
     assert long["chunked"]["max_prefill_tokens"] == 48 and long["unchunked"]["max_prefill_tokens"] == 204
+    assert [long[m]["max_prefill_cost_while_decoding"] for m in ("chunked", "cost_16", "tokens_only")] == [4096, 16, 0]
+    assert long["cost_16"]["decode_tokens_while_prefilling"] > long["tokens_only"]["decode_tokens_while_prefilling"]
     # chunked: the decoders keep producing tokens in the steps that compute the long prompt
     assert long["chunked"]["decode_tokens_while_prefilling"] > long["unchunked"]["decode_tokens_while_prefilling"]

@@ -115,3 +115,63 @@ def test_page_table_holds_exactly_each_requests_pages():
         assert indptr.tolist() == [0, 3, 4, 5, 9]
         assert ids.tolist() == [7, 2, 5, 0, 3, 8, 1, 6, 4]
         assert last.tolist() == [1, 1, 4, 1]
+
+
+def test_step_budget_grants_the_most_tokens_that_fit():
+    """StepBudget.take against a search over every chunk length: the longest chunk whose cost fits, at least
+    one token for the step's first prompt row, and the cost and tokens left counted down."""
+    import random
+
+    from tp_engine.step_budget import StepBudget
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        span, cost, tokens = rng.choice([1.0, 7.0, 3840.0, 23552.0]), rng.uniform(0.5, 3000), rng.randrange(1, 4000)
+        start, n, first = rng.randrange(0, 40000), rng.randrange(1, 5000), rng.random() < 0.5
+        b = StepBudget(tokens, cost, span)
+        if not first:
+            b.taken = 1
+        fits = [m for m in range(0, min(n, tokens) + 1) if b.chunk_cost(start, m) <= cost]
+        want = max(fits[-1], 0 if not first else 1)
+        assert b.take(start, n) == want, (span, cost, tokens, start, n, first)
+        assert b.tokens == tokens - want and abs(b.cost - (cost - b.chunk_cost(start, want))) < 1e-6
+    unbounded = StepBudget(100)
+    assert unbounded.take(10 ** 6, 500) == 100 and not unbounded.open
+
+
+@pytest.mark.parametrize("cost", [3, 10])
+def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
+    """A long prompt arrives while short requests decode: each step that has decode rows takes prompt tokens
+    of at most `cost` (each at position c costing 1 + c / span), or a single token; steps without decode
+    rows take up to max_prefill_tokens; the outputs equal those of unbounded steps."""
+    from tp_engine.step_budget import StepBudget
+
+    span = 8.0
+    outputs = {}
+    for bound in (0, cost):
+        sched = Scheduler(PagePool(64, 4), 8, 64, 256, (EOS,), decode_cost=bound, attention_span=span)
+        reqs = [Request(0, [3, 4], SamplingParams(max_new_tokens=40, ignore_eos=True)),
+                Request(1, [5] * 2, SamplingParams(max_new_tokens=40, ignore_eos=True)),
+                Request(2, list(range(1, 60)), SamplingParams(max_new_tokens=4, ignore_eos=True))]
+        for r in reqs[:2]:
+            sched.add(r)
+        mixed = steps = 0
+        while sched.has_work():
+            steps += 1
+            if steps == 4:  # the long prompt arrives while the others decode
+                sched.add(reqs[2])
+            plan = sched.schedule()
+            starts = [r.num_cached for r in plan.reqs]
+            decode = [n == 1 and r.decoding for r, n in zip(plan.reqs, plan.lens)]
+            prompt = [(s, n) for s, n, d in zip(starts, plan.lens, decode) if not d]
+            spent = sum(StepBudget(0, span=span).chunk_cost(s, n) for s, n in prompt)
+            if bound and any(decode) and prompt:
+                mixed += 1
+                assert spent <= bound or prompt[0][1] == 1, (prompt, spent)
+            sched.issue(plan)
+            sched.update(plan, [next_token(r.all_ids[-1] if r.output_ids else r.prompt_ids[-1], s + n - 1)
+                                for r, s, n in zip(plan.reqs, starts, plan.lens)])
+        outputs[bound] = [r.output_ids for r in reqs]
+        if bound:
+            assert mixed > 5  # the long prompt was spread over many steps shared with decode rows
+    assert outputs[cost] == outputs[0]

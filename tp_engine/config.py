@@ -82,6 +82,10 @@ SCHEMA: dict[str, Key] = {
     "max_batch_size": Key(_INT, 256, "most requests in one decode batch", check=_positive),
     "max_prefill_tokens": Key(_INT, 8192, "most tokens in one step, decode rows (one token each) included; a longer "
                               "prompt is computed in chunks across steps while the others decode", check=_positive),
+    "max_prefill_cost_while_decoding": Key(_INT, 4096, "while requests decode, the most prompt work in one step, in "
+                                           "tokens that count their attention: a token at position c costs "
+                                           "1 + c / (the model's attention span); 0 = no bound but max_prefill_tokens",
+                                           check=_non_negative),
     "prefix_cache": Key(_BOOL, True, "share the KV pages of prompt prefixes between requests and generate calls"),
     "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=_positive),
     "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),

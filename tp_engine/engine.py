@@ -219,7 +219,8 @@ class Engine:
         self.pool.reset_refs()  # a run that ended early may have left references behind
         self.tables.clear()
         return Scheduler(self.pool, c["max_batch_size"], c["max_prefill_tokens"], self.max_request_len,
-                         self.model_cfg.eos_token_ids)
+                         self.model_cfg.eos_token_ids, c["max_prefill_cost_while_decoding"],
+                         self.model_cfg.attention_span)
 
     def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
             on_finish: Callable[[Request], None] | None = None) -> None:

@@ -99,6 +99,16 @@ class ModelConfig:
             quant=quant,
         )
 
+    @property
+    def attention_span(self) -> float:
+        """The context length at which a token's attention (4 x heads x head_dim FLOPs per layer and earlier
+        token) costs as much as its matmuls (2 FLOPs per weight; the experts it runs, for MoE): about 3,840
+        for Qwen3-0.6B, 23,600 for Qwen3-8B. The scheduler's exchange rate for deep prompt tokens."""
+        h, d = self.hidden_size, self.head_dim
+        inner = self.moe.top_k * self.moe.intermediate_size if self.moe else self.intermediate_size
+        weights = h * d * 2 * (self.num_heads + self.num_kv_heads) + 3 * h * inner
+        return 2 * weights / (4 * self.num_heads * d)
+
     def check_tp(self, tp: int) -> None:
         """Fail early, naming the numbers, when the heads cannot be split across `tp` ranks."""
         if self.num_heads % tp:

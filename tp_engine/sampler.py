@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tp_engine.config import SCHEMA, check_value
-from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash
+from tp_engine.kernels.sampling import TOPK_MAX_K
+from tp_engine.topk_sampling import M32, candidate_draw, draw_among, full_sort_draw, hash32, noise_at, row_hash
 
 
 @dataclass
@@ -73,24 +74,40 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         return greedy
     dev, vocab = logits.device, logits.shape[-1]
     plain = [i for i in rows if params[i].top_k == 0 and params[i].top_p >= 1]
-    topk = [i for i in rows if params[i].top_k > 0]
+    few = [i for i in rows if 0 < params[i].top_k <= TOPK_MAX_K]  # candidates from one pass of a kernel on CUDA
+    many = [i for i in rows if params[i].top_k > TOPK_MAX_K]
     nucleus = [i for i in rows if params[i].top_k == 0 and params[i].top_p < 1]
     if plain:
         greedy[to_device(plain, torch.int64, dev)] = _plain_draw(logits, plain, params, seeds, steps)
-    for group in (topk, nucleus):
+    for group in (few, many, nucleus):
         if not group:
             continue
         rows_t = to_device(group, torch.int64, dev)
-        x = logits[rows_t] / to_device([params[i].temperature for i in group], torch.float32, dev)[:, None]
+        temps = to_device([params[i].temperature for i in group], torch.float32, dev)
         hashes = row_hash(to_device([seeds[i] for i in group], torch.int64, dev),
                           to_device([steps[i] for i in group], torch.int64, dev))
         k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
         p = to_device([params[i].top_p for i in group], torch.float32, dev)
-        if group is topk:  # a few candidates per row, no sort of the vocabulary
-            greedy[rows_t] = candidate_draw(x, k, p, hashes, max(params[i].top_k for i in group))
-        else:  # top_p alone bounds no candidate count: sort the vocabulary
+        max_k = min(max(params[i].top_k for i in group), vocab)
+        ops = _kernels(logits) if group is few else None
+        if ops is not None:
+            ids = ops.topk_candidates(logits, rows_t, temps, max_k)
+            greedy[rows_t] = draw_among(logits[rows_t[:, None], ids] / temps[:, None], ids, k, p, hashes, vocab)
+            continue
+        x = logits[rows_t] / temps[:, None]
+        if group is nucleus:  # top_p alone bounds no candidate count: sort the vocabulary
             greedy[rows_t] = full_sort_draw(x, k, p, hashes)
+        else:  # a few candidates per row, no sort of the vocabulary
+            greedy[rows_t] = candidate_draw(x, k, p, hashes, max_k)
     return greedy
+
+
+def _kernels(logits: torch.Tensor):
+    """The fused kernels (kernels/sampling.py) when `logits` suits them, else None."""
+    if not logits.is_cuda or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return None
+    from tp_engine.kernels import fused_ops
+    return fused_ops(logits.device)
 
 
 def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
@@ -101,11 +118,9 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
                       to_device([steps[i] for i in rows], torch.int64, dev))
     temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
     rows_t = to_device(rows, torch.int64, dev)
-    if logits.is_cuda and logits.dtype == torch.float32:
-        from tp_engine.kernels import fused_ops
-        ops = fused_ops(dev)
-        if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
-            return ops.gumbel_argmax(logits if logits.stride(-1) == 1 else logits.contiguous(), rows_t, temps, hashes)
+    ops = _kernels(logits)
+    if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
+        return ops.gumbel_argmax(logits, rows_t, temps, hashes)
     x = logits[rows_t] / temps[:, None]
     ids = torch.arange(x.shape[-1], device=dev, dtype=torch.int64)[None, :].expand(len(rows), -1)
     return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)

@@ -3,7 +3,8 @@ prompt chunks, retire the finished, preempt (and later recompute) the newest whe
 
 A step is a list of rows, one per request: a decode row (one token) or a prompt chunk. The policy
 (docs/architecture.md): every decoding request gets its row first, one token of `max_prefill_tokens`
-each; the request still prefilling, then waiting requests in order, fill what is left. Only the last
+each; the request still prefilling, then waiting requests in order, fill what is left, and while
+requests decode, at most `max_prefill_cost_while_decoding` of prompt work (step_budget.py). Only the last
 prompt row of a step may stop short of its prompt's end (at most one request is part-way through its
 prompt), and such a row's sampled token is ignored. A step with a prompt row is a prefill-type forward;
 a step of decode rows only is a decode step (CUDA graphs).
@@ -21,6 +22,7 @@ an EOS or stop string is seen one step late and that request's extra token is dr
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +31,7 @@ import torch
 from tp_engine.kv_cache import pages_for
 from tp_engine.page_pool import ROOT_KEY, PagePool, page_key
 from tp_engine.sampler import SamplingParams
+from tp_engine.step_budget import StepBudget
 from tp_engine.step_message import encode_step
 
 
@@ -104,9 +107,10 @@ class Plan:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch_size: int, max_prefill_tokens: int, max_request_len: int,
-                 eos_ids: tuple[int, ...]) -> None:
+                 eos_ids: tuple[int, ...], decode_cost: int = 0, attention_span: float = 4096.0) -> None:
         self.pool, self.page_size = pool, pool.page_size
         self.max_batch, self.max_prefill = max_batch_size, max_prefill_tokens
+        self.decode_cost, self.span = decode_cost, attention_span  # 0: no cost bound (step_budget.py)
         # A request never grows past what the pool holds alone, so the oldest request can always progress.
         self.max_len = max_request_len
         self.eos_ids = set(eos_ids)
@@ -132,14 +136,14 @@ class Scheduler:
         for r in self.running:
             if r.decoding and not self.done_by_length(r):
                 self._add_row(plan, r, 1)
-        budget = self.max_prefill - len(plan.reqs)
+        bounded = self.decode_cost > 0 and plan.reqs  # requests are decoding
+        budget = StepBudget(self.max_prefill - len(plan.reqs), self.decode_cost if bounded else math.inf, self.span)
         unfinished = False  # a running request's prompt does not end in this step
         for r in self.running:  # the request part-way through its prompt, if any
             if not r.decoding:
-                n = self._prompt_row(plan, r, budget) if budget > 0 else 0
-                budget -= n
+                n = self._prompt_row(plan, r, budget) if budget.open else 0
                 unfinished = unfinished or n < r.todo
-        while budget > 0 and self.waiting and len(self.running) < self.max_batch and not unfinished:
+        while budget.open and self.waiting and len(self.running) < self.max_batch and not unfinished:
             req = self.waiting[0]
             if req.pending:  # preempted while its last token was in flight: admit once that token is here
                 break
@@ -147,7 +151,6 @@ class Scheduler:
                 break
             self.running.append(self.waiting.popleft())
             n = self._prompt_row(plan, req, budget)
-            budget -= n
             unfinished = not plan.samples[-1] if n else True
         return plan
 
@@ -171,11 +174,11 @@ class Scheduler:
         req.cached_prompt_tokens = min(req.num_cached, len(req.prompt_ids))
         return True
 
-    def _prompt_row(self, plan: Plan, r: Request, budget: int) -> int:
-        """Add the next chunk of `r`'s prompt (at most `budget` tokens, as pages allow); returns its length."""
+    def _prompt_row(self, plan: Plan, r: Request, budget: StepBudget) -> int:
+        """Add the next chunk of `r`'s prompt (what `budget` grants, as pages allow); returns its length."""
         S = self.page_size
         room = (len(r.pages) + max(self._available() + 1, 0)) * S - r.num_cached  # r's own reserve page too
-        n = min(r.todo, budget, room)
+        n = budget.take(r.num_cached, min(r.todo, room)) if min(r.todo, room) > 0 else 0
         if n <= 0:
             return 0
         r.pages += self.pool.alloc(pages_for(r.num_cached + n, S) - len(r.pages))

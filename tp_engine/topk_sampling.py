@@ -64,10 +64,15 @@ def candidate_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, ro
     """x [R, vocab] (logits / temperature); top_k [R] int64 in [1, vocab], max_k >= every top_k (a host int, so
     no wait for the device); top_p [R] fp32; rows [R] the noise hash starts. Returns the chosen ids [R]."""
     vocab = x.shape[-1]
-    max_k = min(max_k, vocab)
-    ids = _order_key(x).topk(max_k, dim=-1, sorted=True).indices
-    vals = _mask_sorted(x.gather(1, ids), top_k, top_p)
-    return _gumbel_pick(vals, ids, rows, vocab)
+    ids = _order_key(x).topk(min(max_k, vocab), dim=-1, sorted=True).indices
+    return draw_among(x.gather(1, ids), ids, top_k, top_p, rows, vocab)
+
+
+def draw_among(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
+               vocab: int) -> torch.Tensor:
+    """The draw of `candidate_draw` from its candidates: ids [R, C] in the order of `_order_key` (on CUDA from
+    kernels/sampling.topk_candidates), vals [R, C] their values of x."""
+    return _gumbel_pick(_mask_sorted(vals, top_k, top_p), ids, rows, vocab)
 
 
 def full_sort_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

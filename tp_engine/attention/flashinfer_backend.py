@@ -27,9 +27,10 @@ FAST_PLAN = True
 
 @dataclass
 class StepPlan:
-    wrapper: object  # the planned flashinfer wrapper this step runs
+    wrapper: object  # the planned flashinfer wrapper this step runs (over its prompt rows, in a mixed step)
     k_rows: torch.Tensor  # [N] int64: row of each new token's K in the layer cache viewed as [rows, kv_heads, d]
     v_rows: torch.Tensor  # [N] int64: the same for V (k_rows + page_size)
+    decode_rows: int = 0  # a mixed step: its first rows, of one token each, attend through the decode wrapper
 
 
 def slot_rows(out_loc: torch.Tensor, page_size: int, k_rows: torch.Tensor | None = None,
@@ -84,22 +85,36 @@ class FlashInferBackend:
     # ---- planning, once per step ----
 
     def prepare(self, batch: Batch) -> None:
-        kv_indptr, indices, last_len = (torch.from_numpy(a) for a in page_table(batch, self.page_size))
-        if batch.is_prefill:  # also a mixed step: its decode rows are rows of one query
+        kv_indptr, indices, last_len = page_table(batch, self.page_size)
+        lens = batch.extend_lens
+        # A mixed step's leading rows of one token attend like decode rows (the scheduler puts them first).
+        # Planned together with the prompt rows, they would shrink the query tile flashinfer picks for all
+        # rows (from the average query length), and a long prompt's chunk would re-read its whole context
+        # once per 16 queries.
+        d = next((i for i, n in enumerate(lens) if n != 1), len(lens)) if batch.is_prefill else len(lens)
+        if d:
+            self._plan_decode(kv_indptr[:d + 1], indices[:kv_indptr[d]], last_len[:d])
+        wrapper = self.decode_wrapper
+        if d < len(lens):
             # causal: each row's queries are the last of its KV (a chunk after its cached prefix, shared or not)
-            qo_indptr = torch.tensor([0, *accumulate(batch.extend_lens)], dtype=torch.int32)
             wrapper = self.prefill_wrapper
+            qo_indptr = torch.tensor([0, *accumulate(lens[d:])], dtype=torch.int32)
             self.guard.before(wrapper)
-            wrapper.plan(qo_indptr, kv_indptr, indices, last_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
-        else:
-            wrapper = self.decode_wrapper
-            self.guard.before(wrapper)
-            wrapper.plan(kv_indptr, indices, last_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self.guard.after(wrapper)
+            wrapper.plan(qo_indptr, torch.from_numpy(kv_indptr[d:] - kv_indptr[d]),
+                         torch.from_numpy(indices[kv_indptr[d]:]), torch.from_numpy(last_len[d:]), self.num_heads,
+                         self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=self.dtype,
+                         kv_data_type=self.dtype)
+            self.guard.after(wrapper)
         k_rows, v_rows = slot_rows(batch.out_loc, self.page_size)
-        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows)
+        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows, d if wrapper is self.prefill_wrapper else 0)
+
+    def _plan_decode(self, kv_indptr, indices, last_len) -> None:
+        wrapper = self.decode_wrapper
+        self.guard.before(wrapper)
+        wrapper.plan(torch.from_numpy(kv_indptr), torch.from_numpy(indices), torch.from_numpy(last_len),
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, q_data_type=self.dtype,
+                     kv_data_type=self.dtype)
+        self.guard.after(wrapper)
 
     def graph_decode_wrapper(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
         """A decode wrapper for one CUDA-graph batch size (len(last_buf)), reading its page table from the
@@ -177,4 +192,9 @@ class FlashInferBackend:
         return self._attend(plan, q, cache)
 
     def _attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        return plan.wrapper.run(q, cache, out=torch.empty_like(q))
+        out = torch.empty_like(q)
+        d = plan.decode_rows
+        if d:  # the runs share the float workspace: one after the other on the stream
+            self.decode_wrapper.run(q[:d], cache, out=out[:d])
+        plan.wrapper.run(q[d:], cache, out=out[d:])
+        return out

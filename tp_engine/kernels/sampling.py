@@ -1,5 +1,6 @@
-"""The sampler's draw and the step's token references, fused: temperature + hashed Gumbel noise + argmax over
-the vocabulary, and the previous step's tokens into the step's input ids."""
+"""The sampler's draws and the step's token references, fused: temperature + hashed Gumbel noise + argmax over
+the vocabulary; the top-k candidates of each row in one pass over the logits; and the previous step's tokens
+into the step's input ids."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +38,28 @@ if triton is not None:
         tl.store(idx_ptr + r * num_chunks + chunk, (chunk * BLOCK + arg).to(tl.int64))
 
     @triton.jit
+    def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks, K: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """The K largest order keys (topk_sampling._order_key of logits / temperature) of one chunk of a row."""
+        r = tl.program_id(0)
+        chunk = tl.program_id(1)
+        row = tl.load(rows_ptr + r).to(tl.int64)
+        temp = tl.load(temp_ptr + r)
+        ids = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = ids < vocab
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0), temp)
+        bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: negative floats reverse their order
+        key = (bits.to(tl.int64) << 32) | (vocab - 1 - ids).to(tl.int64)
+        smallest = -9223372036854775807 - 1  # below every real key (the largest NaN's), never a candidate
+        key = tl.where(mask, key, smallest)
+        out = keys_ptr + (r.to(tl.int64) * num_chunks + chunk) * K
+        for i in tl.static_range(K):  # keys are unique: each round removes exactly the one it stored
+            best = tl.max(key, axis=0)
+            tl.store(out + i, best)
+            key = tl.where(key == best, smallest, key)
+
+    @triton.jit
     def _resolve_tokens_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         m = offs < n
@@ -66,6 +89,26 @@ def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.
                                        chunks, BLOCK=GUMBEL_BLOCK, num_warps=8)
     # the first chunk holding the maximum has the lowest ids: the same tie-break as torch.argmax
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+TOPK_BLOCK = 2048
+TOPK_MAX_K = 64  # beyond this the sampler ranks the whole row with torch.topk (topk_sampling.candidate_draw)
+
+
+def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids [R, k] of the k largest values of logits[rows] / temperatures[:, None], largest first and the
+    lower id first among equal values: exactly topk_sampling's order, read from the logits once. Each chunk of
+    a row keeps its own k best keys, then torch.topk ranks the R x chunks x k survivors."""
+    vocab = logits.shape[-1]
+    assert logits.stride(-1) == 1 and logits.dtype == torch.float32 and 1 <= k <= min(TOPK_MAX_K, vocab)
+    r = rows.numel()
+    chunks = triton.cdiv(vocab, TOPK_BLOCK)
+    kp = triton.next_power_of_2(k)  # one compiled kernel per power of two
+    keys = torch.empty((r, chunks * kp), dtype=torch.int64, device=logits.device)
+    _topk_keys_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, keys, vocab, chunks, K=kp,
+                                   BLOCK=TOPK_BLOCK, num_warps=8)
+    best = keys.topk(k, dim=-1, sorted=True).values
+    return (vocab - 1) - (best & 0xFFFFFFFF)
 
 
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

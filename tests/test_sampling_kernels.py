@@ -1,0 +1,44 @@
+"""The top-k candidate kernel (tp_engine/kernels/sampling.py) in Triton's interpreter, without a GPU: its ids
+equal torch.topk over topk_sampling's order keys (value descending, then id ascending) on rows with ties,
+signed zeros, -inf and equal maxima on both sides of a chunk boundary. On CUDA, tests/test_gpu_sampling.py
+holds the whole draw to the CPU reference. Skips without Triton (it comes with CUDA builds of torch)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r'''
+import torch
+from tp_engine.kernels import sampling
+from tp_engine.topk_sampling import _order_key
+
+gen = torch.Generator().manual_seed(0)
+vocab = 2 * sampling.TOPK_BLOCK + 904  # a partial last chunk
+x = torch.randn(6, vocab, generator=gen) * 3
+x[0] = (x[0] * 2).round() / 2  # many ties, as bf16 logits have
+x[1] = 0.0
+x[1, ::3] = -0.0  # equal to +0.0: ranked by id
+x[2, 100:4000] = float("-inf")
+b = sampling.TOPK_BLOCK
+x[3, [b - 1, b, vocab - 1]] = 50.0  # equal maxima in three chunks
+rows = torch.tensor([5, 0, 1, 2, 3, 4, 0])
+temps = torch.tensor([0.7, 1.0, 0.3, 2.5, 1.0, 0.6, 0.6])
+for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
+    got = sampling.topk_candidates(x, rows, temps, k)
+    ref = _order_key(x[rows] / temps[:, None]).topk(k, dim=-1, sorted=True).indices
+    assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
+print("ok")
+'''
+
+
+def test_topk_candidates_match_the_order_key_in_interpreter(tmp_path):
+    script = tmp_path / "topk.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
