@@ -1,6 +1,7 @@
-"""The top-k candidate kernel (tp_engine/kernels/sampling.py) in Triton's interpreter, without a GPU: its ids
-equal torch.topk over topk_sampling's order keys (value descending, then id ascending) on rows with ties,
-signed zeros, -inf and equal maxima on both sides of a chunk boundary. On CUDA, tests/test_gpu_sampling.py
+"""The top-k / top-p kernels (tp_engine/kernels/sampling.py) in Triton's interpreter, without a GPU: the
+candidates' ids equal torch.topk over topk_sampling's order keys (value descending, then id ascending) on rows
+with ties, signed zeros, -inf and equal maxima on both sides of a chunk boundary; the draw among them equals
+topk_sampling.draw_among. On CUDA, tests/test_gpu_sampling.py
 holds the whole draw to the CPU reference. Skips without Triton (it comes with CUDA builds of torch)."""
 import os
 import subprocess
@@ -31,6 +32,18 @@ for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
     got = sampling.topk_candidates(x, rows, temps, k)
     ref = _order_key(x[rows] / temps[:, None]).topk(k, dim=-1, sorted=True).indices
     assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
+
+# the draw among the candidates against topk_sampling.draw_among, with top-k and top-p masks of every kind
+from tp_engine.topk_sampling import draw_among, row_hash
+n = len(rows)
+ks = torch.tensor([1, 3, 20, 64, 64, 7, 20])
+ps = torch.tensor([1.0, 0.95, 0.5, 1e-6, 0.95, 1.0, 0.9])
+for step in range(12):
+    hashes = row_hash(torch.arange(n) * 7919 + 3, torch.full((n,), step))
+    ids = sampling.topk_candidates(x, rows, temps, 64)
+    got = sampling.draw_among(x, rows, temps, ids, ks, ps, hashes)
+    want = draw_among(x[rows[:, None], ids] / temps[:, None], ids, ks, ps, hashes, vocab)
+    assert torch.equal(got, want), (step, got, want)
 print("ok")
 '''
 

@@ -12,7 +12,7 @@ import torch
 
 from tp_engine.config import SCHEMA, check_value
 from tp_engine.kernels.sampling import TOPK_MAX_K
-from tp_engine.topk_sampling import M32, candidate_draw, draw_among, full_sort_draw, hash32, noise_at, row_hash
+from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash
 
 
 @dataclass
@@ -92,7 +92,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         ops = _kernels(logits) if group is few else None
         if ops is not None:
             ids = ops.topk_candidates(logits, rows_t, temps, max_k)
-            greedy[rows_t] = draw_among(logits[rows_t[:, None], ids] / temps[:, None], ids, k, p, hashes, vocab)
+            greedy[rows_t] = ops.draw_among(logits, rows_t, temps, ids, k, p, hashes)
             continue
         x = logits[rows_t] / temps[:, None]
         if group is nucleus:  # top_p alone bounds no candidate count: sort the vocabulary

@@ -9,8 +9,9 @@ where torch would), so swapping one for the other changes results only through t
 - kernels/gemv.py: `linear`, a batch-1 matmul through a GEMV kernel for the weight shapes where that
   measures faster than cuBLAS (the choice is made once per shape, by timing both).
 - kernels/sampling.py: `gumbel_argmax` (the sampler's temperature + hashed Gumbel noise + argmax, reading
-  the logits once), `topk_candidates` (each row's top-k ids for top-k / top-p sampling, in one pass) and
-  `resolve_tokens` (the previous step's sampled tokens into the step's input ids).
+  the logits once), `topk_candidates` and `draw_among` (top-k / top-p sampling: each row's top-k ids in
+  one pass, then the draw among them) and `resolve_tokens` (the previous step's sampled tokens into the
+  step's input ids).
 - kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
   `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
 - kernels/fp8.py (with kernels/fp8_gemm.py): `fp8_linear`, the matmul with block-FP8 weights (layers/fp8.py):
@@ -67,14 +68,15 @@ def _ops() -> SimpleNamespace:
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, linear=gemv.linear, gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens,
-                           topk_candidates=sampling.topk_candidates, moe_topk_softmax=moe.topk_softmax,
+                           topk_candidates=sampling.topk_candidates, draw_among=sampling.draw_among,
+                           moe_topk_softmax=moe.topk_softmax,
                            fused_moe=moe.fused_moe, fp8_linear=fp8.linear)
 
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
     add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax, resolve_tokens, topk_candidates,
-    moe_topk_softmax, fused_moe and fp8_linear.
+    draw_among, moe_topk_softmax, fused_moe and fp8_linear.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
     (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never
@@ -138,8 +140,12 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         got = ops.gumbel_argmax(logits, torch.tensor([1], device=device), torch.tensor([1.0], device=device),
                                 torch.tensor([12345], device=device))
         assert 0 <= int(got[0]) < 5000
-        top = ops.topk_candidates(logits, torch.tensor([0, 1], device=device), torch.tensor([0.5, 2.0], device=device), 7)
+        rows2, temps2 = torch.tensor([0, 1], device=device), torch.tensor([0.5, 2.0], device=device)
+        top = ops.topk_candidates(logits, rows2, temps2, 7)
         assert torch.equal(top, logits.topk(7, dim=-1).indices)  # no ties in random normals
+        ones = torch.ones(2, dtype=torch.int64, device=device)
+        picked = ops.draw_among(logits, rows2, temps2, top, ones, ones.float(), ones)  # top_k 1: the largest
+        assert torch.equal(picked, top[:, 0])
         cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)
         qkv = torch.randn(2, 3 * 128, device=device, generator=g).to(dt)
         cos = torch.ones(8, 128, device=device)

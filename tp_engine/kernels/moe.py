@@ -4,9 +4,10 @@
 expert_e(x) = down_e(silu(gate_e x) * up_e x), without a host synchronisation (all buffer sizes follow from
 the shapes), so a CUDA graph can hold it. Two paths, chosen by the number of tokens:
 
-- few tokens (batch-1 decode): GEMV kernels that read only the k chosen experts' weights, one program per
-  (token slot, block of output rows); gate and up share a program and end in silu(gate) * up; the down
-  projection loops over the token's k slots, so the weighted combine happens in registers.
+- few tokens (batch-1 decode): GEMV kernels that read only the k chosen experts' weights: gate and up in
+  one program per (token slot, block of output rows), ending in silu(gate) * up; the down projection in
+  one program per (token, block of output rows) over all k of its slots, so the weighted combine happens
+  in registers.
 - more tokens: the token slots are sorted by expert (kernels/moe_grouped.py) and grouped GEMMs run over
   blocks of slots that all belong to one expert.
 
@@ -75,25 +76,31 @@ if triton is not None:
 
     @triton.jit
     def _gemv_down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, I, H, act_stride, w_se, w_sn, out_stride,
-                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          TOP_K: tl.constexpr, K_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Rows n of token t's output: its k experts' down rows in one [k, BN, BK] tile, so the loads of all
+        k experts are in flight at once (one after the other, each waited for, they read at half the
+        bandwidth), then weighted and combined in registers: no second pass."""
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < H
+        j = tl.arange(0, K_P2)
+        jmask = j < TOP_K
+        s = t * TOP_K + j
+        e = tl.load(ids_ptr + s, mask=jmask, other=0).to(tl.int64)
+        rows = w_ptr + e[:, None, None] * w_se + n[None, :, None].to(tl.int64) * w_sn
+        wmask = jmask[:, None, None] & nmask[None, :, None]
+        acc = tl.zeros([K_P2, BN, BK], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < I
+            a = tl.load(act_ptr + s[:, None] * act_stride + k[None, :], mask=jmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            w = tl.load(rows + k[None, None, :], mask=wmask & kmask[None, None, :], other=0.0)
+            acc += w.to(tl.float32) * a[:, None, :]
         DT: tl.constexpr = out_ptr.dtype.element_ty
-        total = tl.zeros([BN], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):  # this token's k experts, combined here: no second pass
-            s = t * TOP_K + j
-            e = tl.load(ids_ptr + s).to(tl.int64)
-            rows = w_ptr + e * w_se + n[:, None].to(tl.int64) * w_sn
-            acc = tl.zeros([BN, BK], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                k = k0 + tl.arange(0, BK)
-                kmask = k < I
-                a = tl.load(act_ptr + s * act_stride + k, mask=kmask, other=0.0).to(tl.float32)
-                acc += tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) \
-                    * a[None, :]
-            y = _round(tl.sum(acc, axis=1), DT)
-            total += _round(y * tl.load(wts_ptr + s).to(tl.float32), DT)
+        y = _round(tl.sum(acc, axis=2), DT)  # [k, BN]: each expert's output, rounded as the reference rounds it
+        y = _round(y * tl.load(wts_ptr + s, mask=jmask, other=0.0).to(tl.float32)[:, None], DT)
+        total = tl.sum(tl.where(jmask[:, None], y, 0.0), axis=0)
         tl.store(out_ptr + t * out_stride + n, _round(total, DT).to(DT), mask=nmask)
 
 
@@ -111,11 +118,13 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 
 
 # (output rows per program, reduction step, warps) of the few-token path. rows x step <= 2048 per 4 warps holds
-# the fp32 partial sums in registers without spills (compiled for sm_90 in tests/test_moe_kernels.py). Each
-# shape times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py
-# does): few wide rows give many programs and long contiguous reads, many narrow ones fewer programs.
+# the fp32 partial sums in registers without spills (compiled for sm_90 in tests/test_moe_kernels.py); the
+# down kernel holds k times that (k = 8 for the public shapes). Each shape times them once on the GPU, outside
+# any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does): few wide rows give many programs
+# and long contiguous reads, many narrow ones fewer programs.
 GEMV_TILES = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 128, 4)]
-_DEFAULT = ((16, 128, 4), (4, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
+DOWN_TILES = [(1, 1024, 8), (1, 512, 4), (2, 512, 8), (2, 256, 4), (4, 256, 8), (1, 256, 2)]
+_DEFAULT = ((1, 1024, 4), (1, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
 _CHOICE: dict = {}
 
 
@@ -138,7 +147,7 @@ def _down(act, down, ids, weights, tile) -> torch.Tensor:
     out = torch.empty((n, h), dtype=act.dtype, device=act.device)
     _gemv_down_kernel[(n, triton.cdiv(h, bn))](
         act, down, ids, weights, out, i, h, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(i)), num_warps=warps)
+        TOP_K=k, K_P2=triton.next_power_of_2(k), BN=bn, BK=min(bk, triton.next_power_of_2(i)), num_warps=warps)
     return out
 
 
@@ -152,8 +161,9 @@ def _choose(x, gate_up, down, weights, ids) -> tuple:
               for _ in range(8)]
     act = _gate_up(x, gate_up, ids, GEMV_TILES[0])
     best = []
-    for run in (lambda r, t: _gate_up(x, gate_up, r, t), lambda r, t: _down(act, down, r, weights, t)):
-        times = {t: _time(lambda r: run(r, t), routes) for t in GEMV_TILES}
+    for run, tiles in ((lambda r, t: _gate_up(x, gate_up, r, t), GEMV_TILES),
+                       (lambda r, t: _down(act, down, r, weights, t), DOWN_TILES)):
+        times = {t: _time(lambda r: run(r, t), routes) for t in tiles}
         best.append(min(times, key=times.get))
     return tuple(best)
 

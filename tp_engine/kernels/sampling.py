@@ -10,7 +10,19 @@ from tp_engine.kernels import triton
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _log
+    from tp_engine.kernels import _exp, _log
+
+    @triton.jit
+    def _gumbel(x, h, ids):
+        """x + the Gumbel noise of sampler.uniform_noise at token ids `ids` of the row whose hash start is h;
+        uint32 arithmetic wraps exactly like its `& 0xFFFFFFFF`."""
+        v = h + ids.to(tl.uint32) * 0x9E3779B1
+        v = ((v >> 16) ^ v) * 0x45D9F3B
+        v = ((v >> 16) ^ v) * 0x45D9F3B
+        v = (v >> 16) ^ v
+        u = ((v >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = tl.minimum(u, 0.99999994039535522)  # topk_sampling.U_MAX: never 1.0, whose noise is infinite
+        return x - _log(-_log(u))
 
     @triton.jit
     def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, vocab,
@@ -23,16 +35,7 @@ if triton is not None:
         ids = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
         x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0)
-        x = tl.math.div_rn(x, temp)
-        # the 32-bit hash of sampler.uniform_noise; uint32 arithmetic wraps exactly like its `& 0xFFFFFFFF`
-        v = h + ids.to(tl.uint32) * 0x9E3779B1
-        v = ((v >> 16) ^ v) * 0x45D9F3B
-        v = ((v >> 16) ^ v) * 0x45D9F3B
-        v = (v >> 16) ^ v
-        u = ((v >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        u = tl.minimum(u, 0.99999994039535522)  # topk_sampling.U_MAX: never 1.0, whose noise is infinite
-        g = x - _log(-_log(u))
-        g = tl.where(mask, g, float("-inf"))
+        g = tl.where(mask, _gumbel(tl.math.div_rn(x, temp), h, ids), float("-inf"))
         best, arg = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(val_ptr + r * num_chunks + chunk, best)
         tl.store(idx_ptr + r * num_chunks + chunk, (chunk * BLOCK + arg).to(tl.int64))
@@ -58,6 +61,32 @@ if triton is not None:
             best = tl.max(key, axis=0)
             tl.store(out + i, best)
             key = tl.where(key == best, smallest, key)
+
+    @triton.jit
+    def _draw_among_kernel(logits_ptr, stride, rows_ptr, temp_ptr, ids_ptr, k_ptr, p_ptr, hash_ptr, out_ptr, C,
+                           BLOCK: tl.constexpr):
+        """topk_sampling.draw_among for one row: its C candidates (ids in rank order), top-k and top-p masks,
+        Gumbel-max over what is left, the lower id on a tie."""
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + r * C + c, mask=c < C, other=0)
+        row = tl.load(rows_ptr + r).to(tl.int64)
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=c < C, other=0.0), tl.load(temp_ptr + r))
+        x = tl.where(c < tl.minimum(tl.load(k_ptr + r), C), x, float("-inf"))
+        e = _exp(x - tl.max(x, axis=0))
+        probs = tl.math.div_rn(e, tl.sum(e, axis=0))
+        # cumsum as torch's on the CPU: left to right in float64, each sum rounded to float32. Mass ties at
+        # the top-p boundary (equal logits) depend on the order of the sum.
+        total = tl.zeros([1], dtype=tl.float64)
+        before = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(BLOCK):
+            p_i = tl.sum(tl.where(c == i, probs, 0.0), axis=0)  # exact: one term is not zero
+            total += p_i.to(tl.float64)
+            before = tl.where(c == i, tl.sum(total, axis=0).to(tl.float32) - p_i, before)
+        x = tl.where(before > tl.load(p_ptr + r), float("-inf"), x)
+        g = _gumbel(x, tl.load(hash_ptr + r).to(tl.uint32), ids)
+        best = tl.max(g, axis=0)
+        tl.store(out_ptr + r, tl.min(tl.where(g == best, ids, 1 << 62), axis=0))
 
     @triton.jit
     def _resolve_tokens_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
@@ -109,6 +138,18 @@ def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torc
                                    BLOCK=TOPK_BLOCK, num_warps=8)
     best = keys.topk(k, dim=-1, sorted=True).values
     return (vocab - 1) - (best & 0xFFFFFFFF)
+
+
+def draw_among(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, ids: torch.Tensor,
+               top_k: torch.Tensor, top_p: torch.Tensor, row_hash: torch.Tensor) -> torch.Tensor:
+    """topk_sampling.draw_among in one kernel: the chosen id [R] (int64) of each row among its candidates
+    ids [R, C] (from `topk_candidates`), with the values logits[rows] / temperatures at those ids."""
+    r, c = ids.shape
+    out = torch.empty(r, dtype=torch.int64, device=logits.device)
+    if r:
+        _draw_among_kernel[(r,)](logits, logits.stride(0), rows, temperatures, ids, top_k, top_p, row_hash, out, c,
+                                 BLOCK=max(16, triton.next_power_of_2(c)), num_warps=1)
+    return out
 
 
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
