@@ -31,7 +31,7 @@ def test_refcounts_lru_eviction_and_no_page_freed_while_referenced():
     pool.register(a[0], ka[0])
     pool.register(a[1], ka[1])
     pool.register(b[0], kb[0])
-    got, _ = pool.match(list(range(8)) + [1], 2)  # a second holder of both pages
+    got = pool.match(keys_of(list(range(8)) + [1])[:2])  # a second holder of both pages
     assert got == a and pool.refs[:3] == [2, 2, 1]
     pool.release(a)
     assert pool.num_free == 1  # still referenced once: not free, not evictable
@@ -41,8 +41,8 @@ def test_refcounts_lru_eviction_and_no_page_freed_while_referenced():
     pool.release(got)
     assert pool.refs == [0, 0, 0, 1] and pool.num_free == 3
     assert pool.alloc(1) == [2]  # evicts b first, then a's pages in the order they were released
-    assert pool.match([9, 9, 9, 9, 1], 1)[0] == []  # b's content is gone with its page
-    assert pool.match(list(range(8)), 2)[0] == [0, 1]  # a's is still found
+    assert pool.match(keys_of([9, 9, 9, 9, 1])[:1]) == []  # b's content is gone with its page
+    assert pool.match(keys_of(list(range(8)))[:2]) == [0, 1]  # a's is still found
     pool.release([0, 1, 2, 3])
     assert not any(pool.refs) and pool.num_free == 4
     with pytest.raises(AssertionError, match="released more often"):
@@ -56,16 +56,16 @@ def test_keys_chain_each_page_to_its_prefix():
     pages = pool.alloc(3)
     for p, k in zip(pages, keys_of(a + b + c)):
         pool.register(p, k)
-    assert pool.match(a + c + [0], 2)[0] == pages[:1]
-    assert pool.match(b + [0], 1)[0] == []
-    assert pool.match(a + b + c + [0], 3)[0] == pages
+    assert pool.match(keys_of(a + c + [0])[:2]) == pages[:1]
+    assert pool.match(keys_of(b + [0])[:1]) == []
+    assert pool.match(keys_of(a + b + c + [0])[:3]) == pages
 
 
 def test_disabled_cache_never_hits():
     pool = PagePool(4, S, prefix_cache=False)
     p = pool.alloc(1)
     pool.register(p[0], keys_of([1, 2, 3, 4])[0])
-    assert pool.match([1, 2, 3, 4, 5], 1) == ([], [])
+    assert pool.match(keys_of([1, 2, 3, 4, 5])[:1]) == []
     pool.release(p)
     assert pool.free == [3, 2, 1, 0] and not pool.key_of
 

@@ -81,6 +81,43 @@ def test_small_pool_evicts_and_preempts(ckpt, reference):
     assert pool.num_free == pool.num_pages and not any(pool.refs)  # every reference returned
 
 
+def test_decoded_pages_are_found_by_a_later_prompt(ckpt, reference):
+    """Pages filled while decoding are registered too: a second call whose prompt is a first call's prompt and
+    output (a conversation's next turn) computes only past them; equal to transformers."""
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4})
+    first = generate(llm, [PROMPTS[5]])[0]  # 19 prompt tokens + 10 outputs: pages up to token 28 are full
+    assert first["output_token_ids"] == reference[5]
+    turn = PROMPTS[5] + first["output_token_ids"] + [7, 8, 9]
+    out = generate(llm, [turn])[0]
+    assert out["output_token_ids"] == hf_generate(ckpt, [turn], NEW)[0]
+    # 28 tokens: 7 full pages, all but the last output's K/V computed while decoding (the last is never fed back)
+    assert out["cached_prompt_tokens"] == 28
+
+
+def test_blocked_request_hashes_its_pages_once(monkeypatch):
+    """The head of the queue waits for pages over many steps: its page keys are computed once, not at every
+    admission attempt."""
+    import tp_engine.page_pool as pp
+    from tp_engine.page_pool import PagePool
+    from tp_engine.scheduler import Request, Scheduler
+
+    calls = []
+    real = pp.page_key
+    monkeypatch.setattr(pp, "page_key", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    sched = Scheduler(PagePool(14, 4), 8, 64, 64, (0,))
+    first = list(range(1, 33))
+    sched.add(Request(0, first, SamplingParams(max_new_tokens=8, ignore_eos=True)))  # 8 pages
+    # its 8 pages and 6 more: they find the 8 but wait for the 6
+    sched.add(Request(1, first + list(range(100, 124)), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    for _ in range(6):
+        plan = sched.schedule()
+        sched.issue(plan)
+        sched.update(plan, [5] * len(plan.reqs))
+    assert [r.index for r in sched.waiting] == [1]  # still waiting after six attempts
+    # request 0's full pages (its prompt's 8 and the one it decoded), request 1's 8 hits and the miss: once
+    assert len(calls) == 9 + 9
+
+
 def test_chunked_prefill_while_others_decode(ckpt):
     """A long prompt computed in chunks of at most 8 tokens per step (decode rows included), in steps shared
     with requests that decode; equal to transformers."""

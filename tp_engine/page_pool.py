@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -26,6 +26,17 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def chain_keys(chain: list[bytes], tokens: Callable[[int, int], Sequence[int]], page_size: int,
+               pages: int) -> Iterator[bytes]:
+    """The keys of a token sequence's first `pages` full pages, computed as they are asked for and kept in
+    `chain`; tokens(start, n) gives the sequence's tokens. A request keeps its chain (its tokens only ever
+    grow), so no key is computed twice, however often the request waits for pages and looks again."""
+    for i in range(pages):
+        if i == len(chain):
+            chain.append(page_key(chain[-1] if chain else ROOT_KEY, tokens(i * page_size, page_size)))
+        yield chain[i]
 
 
 class PagePool:
@@ -76,16 +87,11 @@ class PagePool:
             self.page_of[key] = page
             self.key_of[page] = key
 
-    def match(self, ids: Sequence[int], max_pages: int) -> tuple[list[int], list[bytes]]:
-        """The cached pages holding the longest prefix of `ids` (at most `max_pages` pages), each now
-        referenced once more, and their keys."""
+    def match(self, chain: Iterable[bytes]) -> list[int]:
+        """The cached pages holding the longest prefix of a sequence whose page keys are `chain`
+        (`chain_keys`: read up to the first miss), each now referenced once more."""
         pages: list[int] = []
-        keys: list[bytes] = []
-        if not self.enabled:
-            return pages, keys
-        S, key = self.page_size, ROOT_KEY
-        for i in range(max_pages):
-            key = page_key(key, ids[i * S:(i + 1) * S])
+        for key in chain if self.enabled else ():
             page = self.page_of.get(key)
             if page is None:
                 break
@@ -93,8 +99,7 @@ class PagePool:
                 del self.lru[page]
             self.refs[page] += 1
             pages.append(page)
-            keys.append(key)
-        return pages, keys
+        return pages
 
     def reset_refs(self) -> None:
         """Forget every reference (a new run: the last one may have ended early with requests holding pages);

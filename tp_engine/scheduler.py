@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tp_engine.kv_cache import pages_for
-from tp_engine.page_pool import ROOT_KEY, PagePool, page_key
+from tp_engine.page_pool import PagePool, chain_keys
 from tp_engine.sampler import SamplingParams
 from tp_engine.step_budget import StepBudget
 from tp_engine.step_message import encode_step
@@ -56,7 +56,8 @@ class Request:
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (at the last admission)
     slot: int = -1  # the request's page table on every rank (step_message.PageTables)
     sent_pages: int = 0  # how many of `pages` the other ranks' table of this slot holds
-    keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of its first full pages
+    keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of the pages it registered
+    chain: list[bytes] = field(default_factory=list, repr=False)  # keys of its first full pages, kept for good
     sample: int = 0  # which of the prompt's `n` samples this request is
     logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
 
@@ -166,7 +167,9 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Take the cached prefix of `req`; True when the pages for the rest of its tokens are free now."""
         n, S = req.num_tokens, self.page_size
-        req.pages, req.keys = self.pool.match(req.all_ids, (n - 1) // S)  # never the page of the last token
+        if self.pool.enabled:  # never the page of the last token
+            req.pages = self.pool.match(chain_keys(req.chain, req.tokens, S, (n - 1) // S))
+            req.keys = req.chain[:len(req.pages)]
         req.num_cached = len(req.pages) * S
         if pages_for(n, S) - len(req.pages) > self._available():
             self._free_pages(req)
@@ -184,12 +187,17 @@ class Scheduler:
         r.pages += self.pool.alloc(pages_for(r.num_cached + n, S) - len(r.pages))
         self._add_row(plan, r, n)
         plan.is_prefill = True
-        key = r.keys[-1] if r.keys else ROOT_KEY
-        for i in range(len(r.keys), (r.num_cached + n) // S):  # pages this row fills: findable from now on
-            key = page_key(key, r.tokens(i * S, S))
-            self.pool.register(r.pages[i], key)
-            r.keys.append(key)
+        self._register(r, r.num_cached + n)  # pages this row fills: findable from now on
         return n
+
+    def _register(self, r: Request, upto: int) -> None:
+        """Make `r`'s full pages before token `upto` findable by content: their K/V is in the cache or will be
+        once the issued steps ran, and their tokens are known on the host."""
+        if self.pool.enabled:
+            for i, key in enumerate(chain_keys(r.chain, r.tokens, self.page_size, upto // self.page_size)):
+                if i >= len(r.keys):
+                    self.pool.register(r.pages[i], key)
+                    r.keys.append(key)
 
     def _add_row(self, plan: Plan, r: Request, n: int) -> None:
         plan.reqs.append(r)
@@ -213,6 +221,7 @@ class Scheduler:
                 self.num_preempted += 1
 
     def _free_pages(self, r: Request) -> None:
+        self._register(r, min(r.num_cached, r.num_tokens))  # a finished request's last full pages too
         self.pool.release(r.pages)
         if r.sent_pages:
             self.dropped.append(r.slot)
@@ -242,6 +251,9 @@ class Scheduler:
             new.append(r.pages[r.sent_pages:])
             r.sent_pages = len(r.pages)
             r.num_cached = start + n
+            known = min(r.num_cached, r.num_tokens)  # a decode row's pages: findable once their tokens are known
+            if known // S > len(r.keys):  # on the host (a token still on the device is not, yet)
+                self._register(r, known)
             if sampled:
                 r.out_row = row
                 r.pending += 1
