@@ -6,8 +6,8 @@
 - by compiling each kernel for the H200 (sm_90) at the tile sizes the engine picks for Qwen3-30B-A3B and
   Qwen3-235B-A22B: ptxas must accept it, with no register spills and within the shared memory of an SM.
 
-Triton is an optional dependency (it comes with CUDA builds of torch); without it these tests skip, as on the
-CPU-only CI. The GPU itself is exercised by tests/test_gpu_moe.py.
+Triton is an optional dependency (it comes with CUDA builds of torch; .ci/run installs it on the CPU); without
+it these tests skip. The GPU itself is exercised by tests/test_gpu_moe.py.
 """
 import os
 import shutil
