@@ -1,5 +1,5 @@
-"""Qwen3-MoE on the GPU: the fused MoE kernels against the torch reference, bf16 greedy parity with transformers,
-CUDA-graph decode against eager, and TP=2 against TP=1.
+"""Qwen3-MoE on the GPU: the fused MoE kernels against the torch reference (FP8 experts too), bf16 greedy parity
+with transformers, CUDA-graph decode against eager (an FP8 checkpoint too), and TP=2 against TP=1.
 
 Every test needs a CUDA GPU (marker `gpu`; the TP=2 one also `multi_gpu`) and skips elsewhere. The checkpoint
 is a tiny Qwen3-MoE written by transformers, with head_dim 128, 4 query and 2 KV heads like tests/test_gpu.py's
@@ -145,6 +145,74 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref):
     for key in ("four", "one", "eight", "sampled"):
         assert g[key] == e[key], key
     assert_parity(hf_moe_ref, PROMPTS, g["padded5"], e["padded5"])
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_fused_moe_fp8_experts_match_their_dequantized_values(n):
+    """FP8 experts, dequantized in registers, at Qwen3-30B-A3B's shapes at TP=4, rank 1: 192 inner rows from
+    row 192, so the scale row changes inside a part and down's columns start 64 into a block. The grouped path
+    (n > 4) computes on exactly the dequantized bf16 values: the tolerance of the bf16 test above. The GEMV
+    path scales the activations instead, so the weights skip their rounding to bf16 (2**-9 of each)."""
+    pytest.importorskip("triton")
+    from tp_engine.kernels import moe
+    from tp_engine.kernels.moe_grouped import ExpertScales
+    from tp_engine.layers.fp8 import ScaleLayout
+    from tp_engine.layers.moe import experts_reference
+
+    E, H, full, r, inner = 128, 2048, 768, 1, 192
+    gu_lay = ScaleLayout({"gate": (0, inner, r * inner, full), "up": (inner, inner, r * inner, full)}, (0, H, H))
+    dn_lay = ScaleLayout({"down": (0, H, 0, H)}, (r * inner, inner, full))
+    assert dn_lay.k_shift == 64 and gu_lay.row_align == 64
+    g = torch.Generator(device=DEV).manual_seed(1)
+    fp8 = torch.float8_e4m3fn
+    gu_w = (torch.randn(E, 2 * inner, H, device=DEV, generator=g) * 60).clamp(-448, 448).to(fp8)
+    dn_w = (torch.randn(E, H, inner, device=DEV, generator=g) * 60).clamp(-448, 448).to(fp8)
+    gu_s = torch.rand(E, gu_lay.rows, gu_lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
+    dn_s = torch.rand(E, dn_lay.rows, dn_lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
+    scales = ExpertScales(gu_s, gu_lay.scale_row.to(DEV), dn_s, dn_lay.scale_row.to(DEV), dn_lay.k_shift,
+                          gu_lay.row_align)
+    gu_deq = torch.stack([gu_lay.dequantize(gu_w[e], gu_s[e], BF16) for e in range(E)])
+    dn_deq = torch.stack([dn_lay.dequantize(dn_w[e], dn_s[e], BF16) for e in range(E)])
+    x = torch.randn(n, H, device=DEV, generator=g).to(BF16)
+    weights, ids = moe.topk_softmax((torch.randn(n, E, device=DEV, generator=g) * 2).to(BF16), 8, True)
+    exact = experts_reference(x.float(), gu_deq.float(), dn_deq.float(), weights.float(), ids)
+    out = moe.fused_moe(x, gu_w, dn_w, weights, ids, scales).float()
+    assert gu_w.dtype == fp8  # nothing was dequantized on the way
+    if n > moe.GEMV_MAX_TOKENS:
+        ref_err = (experts_reference(x, gu_deq, dn_deq, weights, ids).float() - exact).abs()
+        err = (out - exact).abs()
+        assert err.max() <= 2 * ref_err.max() + 1e-6 and err.mean() <= 1.5 * ref_err.mean() + 1e-7
+    else:
+        assert float((out - exact).norm() / exact.norm()) < 0.02
+
+
+def test_fp8_moe_checkpoint_keeps_fp8_experts(moe_ckpt, tmp_path_factory):
+    """The FP8 version of the memorized model: on the GPU its experts stay in fp8; CUDA-graph decode equals eager;
+    the greedy tokens follow the bf16 model's (peaked logits: FP8 rounding rarely moves them)."""
+    needs_flashinfer()
+    sys.path.insert(0, str(REPO / "launch"))
+    from gpu_helpers import LEADING_SHARE
+    from quantize_fp8 import quantize_checkpoint
+    from tp_engine.layers import FusedMoE
+
+    fp8_dir = tmp_path_factory.mktemp("moe_fp8") / "m"
+    quantize_checkpoint(moe_ckpt, str(fp8_dir))
+    runs = {}
+    for name, path, graphs in (("graph", str(fp8_dir), True), ("eager", str(fp8_dir), False), ("bf16", moe_ckpt, True)):
+        m = llm(path, cuda_graph=graphs)
+        experts = [mod for mod in m.engine.model.modules() if isinstance(mod, FusedMoE)]
+        assert experts and all((e.gate_up_proj.dtype == torch.float8_e4m3fn) == (name != "bf16") for e in experts)
+        assert all((e.scales is not None) == (name != "bf16") for e in experts)
+        # captured batch sizes only (4 and 1: the GEMV path; 8: the grouped one), so graphs and eager run alike
+        eight = PROMPTS + [[3, 1, 4], [1000] * 9, list(range(7, 70, 3))]
+        runs[name] = generate(m, PROMPTS[:4]) + generate(m, PROMPTS[4:], max_new_tokens=20) + generate(m, eight)
+        del m
+        torch.cuda.empty_cache()
+    assert runs["graph"] == runs["eager"]
+    leading = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                  for x, y in zip(runs["graph"], runs["bf16"]))
+    total = sum(len(y) for y in runs["bf16"])
+    assert leading >= LEADING_SHARE * total, f"FP8 follows bf16 for only {leading} of {total} tokens"
 
 
 def _free_port() -> int:

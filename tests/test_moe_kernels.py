@@ -88,6 +88,48 @@ for dt in (torch.float32, torch.bfloat16):
         assert torch.equal(owner[rows < n * K].long(), ids.reshape(-1).long()[real])
         counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
         assert total == int(((counts + 15) // 16 * 16).sum())
+
+# FP8 experts: rank 1 of 2 of a 320-wide expert, so the gate/up rows change scale row inside a part and the
+# down columns start 32 into a block; every path against the reference on the dequantized experts
+from tp_engine.kernels.moe_grouped import ExpertScales
+from tp_engine.layers.fp8 import ScaleLayout
+
+E, H, FULL, r = 8, 200, 320, 1
+I = FULL // 2
+gu_lay = ScaleLayout({"gate": (0, I, r * I, FULL), "up": (I, I, r * I, FULL)}, (0, H, H))
+dn_lay = ScaleLayout({"down": (0, H, 0, H)}, (r * I, I, FULL))
+assert dn_lay.k_shift == 32 and gu_lay.row_align == 32
+fp8 = torch.float8_e4m3fn
+gu_w = (torch.randn(E, 2 * I, H) * 60).clamp(-448, 448).to(fp8)
+dn_w = (torch.randn(E, H, I) * 60).clamp(-448, 448).to(fp8)
+gu_s = torch.rand(E, gu_lay.rows, gu_lay.col_blocks[1]) / 600 + 1e-4
+dn_s = torch.rand(E, dn_lay.rows, dn_lay.col_blocks[1]) / 600 + 1e-4
+scales = ExpertScales(gu_s, gu_lay.scale_row, dn_s, dn_lay.scale_row, dn_lay.k_shift, gu_lay.row_align)
+for dt in (torch.float32, torch.bfloat16):
+    gu_deq = torch.stack([gu_lay.dequantize(gu_w[e], gu_s[e], dt) for e in range(E)])
+    dn_deq = torch.stack([dn_lay.dequantize(dn_w[e], dn_s[e], dt) for e in range(E)])
+    for n in (1, 6):
+        x = torch.randn(n, H).to(dt)
+        weights, ids = moe.topk_softmax((torch.randn(n, E) * 2).to(dt), 2, True)
+        ref = experts_reference(x, gu_deq, dn_deq, weights, ids)
+        paths = {}
+        if n <= moe.GEMV_MAX_TOKENS:
+            gate_up_tiles, down_tiles = moe._tiles(scales)
+            for t, d in zip(gate_up_tiles, down_tiles):
+                paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(moe._gate_up(x, gu_w, ids, t, scales), dn_w, ids,
+                                                                     weights, d, scales)
+        for cfg in (moe_grouped.SMALL, moe_grouped.LARGE):
+            paths[f"grouped BM={cfg.BM}"] = lambda cfg=cfg: moe_grouped.moe_grouped(x, gu_w, dn_w, weights, ids, cfg,
+                                                                                    scales)
+        for name, run in paths.items():
+            got = run()
+            if name.startswith("grouped"):  # the same dequantized values as the reference: only sums reorder
+                torch.testing.assert_close(got, ref, msg=f"fp8 {dt} n={n} {name}")
+            else:  # the scales multiply the activations instead, so the weights skip the reference's rounding to
+                # bf16 (2**-9 of each), through two matmuls: 0.7% of the norm of the output here (2e-7 in float32)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < (1e-5 if dt == torch.float32 else 0.02), (dt, n, name, err)
+moe.self_test_fp8(torch.device("cpu"))  # the start-up check must pass on kernels that are right
 print("interpreter ok")
 '''
 
@@ -145,16 +187,19 @@ def test_kernels_compile_for_sm90():
     kernels = [(moe._topk_softmax_kernel, dict(K=8, K_P2=8, RENORM=True, BLOCK_E=128), 1, 1),
                (g._count_kernel, dict(BLOCK=1024), 4, 1), (g._scatter_kernel, dict(BLOCK=1024), 4, 1),
                (g._offsets_kernel, dict(BM=16, E_P2=128, BB=64, FILL=1024), 4, 1)]
-    # every tile the few-token path may pick, at the widest step it runs
-    kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk), warps, 3) for bn, bk, warps in moe.GEMV_TILES]
-    kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, K_P2=8, BN=bn, BK=bk), warps, 3)
-                for bn, bk, warps in moe.DOWN_TILES]
-    for cfg in (g.SMALL, g.LARGE):
-        tile = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK)
-        kernels += [(g._gate_up_kernel, dict(TOP_K=8, **tile), cfg.num_warps, cfg.num_stages),
-                    (g._down_kernel, tile, cfg.num_warps, cfg.num_stages)]
+    # every tile the few-token path may pick, at the widest step it runs, for bf16 and FP8 experts
+    for fp8 in (False, True):
+        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8), warps, 3)
+                    for bn, bk, warps in moe.GEMV_TILES]
+        kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=fp8), warps, 3)
+                    for bn, bk, warps in moe.DOWN_TILES]
+        for cfg in (g.SMALL, g.LARGE):
+            tile = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, FP8=fp8)
+            kernels += [(g._gate_up_kernel, dict(TOP_K=8, **tile), cfg.num_warps, cfg.num_stages),
+                        (g._down_kernel, tile, cfg.num_warps, cfg.num_stages)]
+    fp8_types = {**types, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32"}
     for fn, consts, warps, stages in kernels:
-        k = _compile(fn, types, consts, warps, stages)
+        k = _compile(fn, fp8_types if consts.get("FP8") else types, consts, warps, stages)
         what = f"{fn.__name__} {consts}"
         assert k.metadata.shared <= MAX_SHARED, f"{what}: {k.metadata.shared} bytes of shared memory"
         spills = _spills(k)

@@ -20,7 +20,7 @@ from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
 from tp_engine.kernels import fused_ops
-from tp_engine.layers.fp8 import finish_loading, quantize_linears
+from tp_engine.layers.fp8 import finish_loading, quantize_linears, settle_experts
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
 from tp_engine.models import build_model
@@ -69,6 +69,7 @@ class Engine:
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
         self._use_fused_kernels(ops)
+        settle_experts(self.model, kernels.fused_ops(device) is not None)  # FP8 experts: fp8 or dequantized
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]

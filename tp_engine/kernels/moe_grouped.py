@@ -21,6 +21,7 @@ is one torch sum.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -66,9 +67,15 @@ if triton is not None:
         tl.store(sorted_ptr + row, s, mask=mask)
 
     @triton.jit
+    def _dequantized(w, sc, DT: tl.constexpr):
+        """A [BK, BN] tile of FP8 weights times their block scales `sc` (broadcast to it), rounded to DT: the
+        values of layers/fp8.py's dequantized weights (kernels/fp8.dequantize)."""
+        return _round(w.to(tl.float32) * sc, DT).to(DT)  # _round: to nearest in the interpreter too
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, I, x_stride, w_se,
-                        w_sn, act_stride, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
+                        w_sn, act_stride, s_ptr, srow_ptr, s_se, s_sr, TOP_K: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         if pid_m * BM >= tl.load(total_ptr):
@@ -82,6 +89,9 @@ if triton is not None:
         nmask = n < I
         gate = w_ptr + e * w_se + n[None, :].to(tl.int64) * w_sn  # [BK, BN] tiles of W^T: k down, n across
         up = gate + I * w_sn
+        if FP8:
+            srow_g = tl.load(srow_ptr + n, mask=nmask, other=0)
+            srow_u = tl.load(srow_ptr + I + n, mask=nmask, other=0)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -91,6 +101,11 @@ if triton is not None:
             wmask = kmask[:, None] & nmask[None, :]
             g = tl.load(gate + k[:, None], mask=wmask, other=0.0)
             u = tl.load(up + k[:, None], mask=wmask, other=0.0)
+            if FP8:  # BK divides 128, so the tile's columns share one k-block
+                g = _dequantized(g, tl.load(s_ptr + e * s_se + srow_g * s_sr + k0 // 128, mask=nmask)[None, :],
+                                 a.dtype)
+                u = _dequantized(u, tl.load(s_ptr + e * s_se + srow_u * s_sr + k0 // 128, mask=nmask)[None, :],
+                                 a.dtype)
             # "ieee": float32 models multiply in float32, not TF32, as torch's matmul (half types ignore it)
             acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
@@ -101,7 +116,8 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, H, act_stride,
-                     w_se, w_sn, out_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     w_se, w_sn, out_stride, s_ptr, srow_ptr, s_se, s_sr, k_shift, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         if pid_m * BM >= tl.load(total_ptr):
@@ -114,18 +130,46 @@ if triton is not None:
         n = pid_n * BN + tl.arange(0, BN)
         nmask = n < H
         w = w_ptr + e * w_se + n[None, :].to(tl.int64) * w_sn
+        if FP8:
+            srow = tl.load(srow_ptr + n, mask=nmask, other=0)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             kmask = k < K
             a = tl.load(a_rows + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if FP8:  # a shard's columns may start inside a k-block (k_shift): a scale per element
+                sc = tl.load(s_ptr + e * s_se + srow[None, :] * s_sr + ((k + k_shift) // 128)[:, None],
+                             mask=kmask[:, None] & nmask[None, :], other=0.0)
+                b = _dequantized(b, sc, a.dtype)
             acc = tl.dot(a, b, acc, input_precision="ieee")
         DT: tl.constexpr = out_ptr.dtype.element_ty
         wt = tl.load(wts_ptr + slot, mask=valid, other=0.0).to(tl.float32)
         y = _round(_round(acc, DT) * wt[:, None], DT)
         tl.store(out_ptr + slot.to(tl.int64)[:, None] * out_stride + n[None, :], y.to(DT),
                  mask=valid[:, None] & nmask[None, :])
+
+
+class ExpertScales(NamedTuple):
+    """The block scales of FP8 experts (layers/fp8.py's layout, a grid per expert): element (n, k) of expert
+    e's gate_up has the scale gate_up[e, gate_up_row[n], k // 128]; of its down, down[e, down_row[n],
+    (k + down_shift) // 128]."""
+
+    gate_up: torch.Tensor  # [E, R, C] float32
+    gate_up_row: torch.Tensor  # [2I] int32
+    down: torch.Tensor  # [E, R, C] float32
+    down_row: torch.Tensor  # [H] int32
+    down_shift: int
+    row_align: int  # gate_up_row changes only at multiples of this power of two (at most 128)
+
+
+def scale_args(scales: ExpertScales | None, down: bool, like: torch.Tensor) -> tuple:
+    """(scale, scale row, its two strides, column shift) for a kernel's FP8 arguments; unused stand-ins
+    (`like`) for bf16 experts."""
+    if scales is None:
+        return like, like, 0, 0, 0
+    s, row = (scales.down, scales.down_row) if down else (scales.gate_up, scales.gate_up_row)
+    return s, row, s.stride(0), s.stride(1), scales.down_shift if down else 0
 
 
 @dataclass(frozen=True)
@@ -137,7 +181,8 @@ class GemmConfig:
     num_stages: int
 
 
-# Few slots per expert (decode batches): 16-row blocks, little padding. Many (prefill): 64-row blocks.
+# Few slots per expert (decode batches): 16-row blocks, little padding. Many (prefill): 64-row blocks. BK
+# divides 128 (the FP8 block), which the FP8 gate/up kernel relies on.
 SMALL = GemmConfig(16, 64, 128, 4, 3)
 LARGE = GemmConfig(64, 128, 64, 8, 3)
 
@@ -173,7 +218,10 @@ def sort_by_expert(ids: torch.Tensor, experts: int, bm: int) -> Sorted:
 
 
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
+                ids: torch.Tensor, cfg: GemmConfig | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+    """`scales`: FP8 experts, each weight tile dequantized in registers to the values of the dequantized
+    weights, then the same GEMMs."""
+
     n, k = ids.shape
     experts, two_i, h = gate_up.shape
     i, s = two_i // 2, n * k
@@ -183,9 +231,11 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     launch = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(i, cfg.BN), srt.num_blocks)](
         x, gate_up, act, srt.rows, srt.block_expert, srt.total, s, h, i, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), TOP_K=k, **launch)
+        gate_up.stride(1), act.stride(0), *scale_args(scales, False, x)[:4], TOP_K=k, FP8=scales is not None,
+        **launch)
     y = torch.empty((s, h), dtype=x.dtype, device=x.device)
     _down_kernel[(triton.cdiv(h, cfg.BN), srt.num_blocks)](
         act, down, weights.reshape(-1).contiguous(), y, srt.rows, srt.block_expert, srt.total, s, i, h,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0), **launch)
+        act.stride(0), down.stride(0), down.stride(1), y.stride(0), *scale_args(scales, True, act),
+        FP8=scales is not None, **launch)
     return y.view(n, k, h).sum(dim=1)

@@ -17,10 +17,12 @@ TP size, the KV-head replication or the parts. A weight and its scales may come 
 On CPU the weight is dequantized once after loading (`finish_loading`: weight x scale, in the compute dtype),
 and the layer is then a plain float layer. On CUDA it stays in fp8 and every matmul goes through
 kernels/fp8.py; without the fused kernels (advanced.fused_kernels off) the shard is dequantized for each call.
-The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per expert, and are dequantized
-after loading on every device: the fused MoE kernels read bf16 experts.
+The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per expert; on CUDA they stay in fp8
+(kernels/moe.py dequantizes them in registers), on CPU they are dequantized once.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +30,12 @@ from torch import nn
 
 from tp_engine.kernels import fused_ops
 from tp_engine.kernels.fp8 import dequantize
+from tp_engine.kernels.moe_grouped import ExpertScales
 from tp_engine.layers.linear import LinearBase, check_shape
 from tp_engine.layers.moe import FusedMoE
 from tp_engine.quant import BLOCK, FP8, QuantConfig
+
+log = logging.getLogger("tp_engine")
 
 DUMMY_STD = 0.02  # load_format dummy: weights like loader.init_dummy's, stored in fp8
 DUMMY_SCALE = 4 * DUMMY_STD / 448.0  # four standard deviations reach the largest fp8 value
@@ -140,9 +145,9 @@ class Fp8Weight:
 
 class Fp8Experts:
     """Block-FP8 experts of a FusedMoE (per-expert tensors and scales, `{e}.gate_proj.weight_scale_inv`, ...):
-    loaded in fp8 with their scales like the dense layers, then dequantized once to the compute dtype on every
-    device, since the fused MoE kernels read bf16 experts. An FP8 MoE checkpoint so loads and runs, at the
-    speed and memory of bf16."""
+    loaded in fp8 with their scales like the dense layers. On CUDA with the fused kernels they stay in fp8 and
+    the MoE kernels dequantize them in registers (`scales`, kernels/moe.fused_moe); elsewhere they are
+    dequantized once to the compute dtype."""
 
     def __init__(self, moe: FusedMoE) -> None:
         n, hidden, inter, r = moe.inter, moe.hidden, moe.full_inter, moe.tp.rank
@@ -159,6 +164,13 @@ class Fp8Experts:
             scale.dummy_init = _dummy_scale
             setattr(moe, name + "_scale_inv", scale)
         moe.quant = self
+
+    def keep(self, moe: FusedMoE) -> None:
+        """Stay in fp8: the MoE layer passes these scales to the fused kernels."""
+        gu, dn = self.layouts["gate_up_proj"], self.layouts["down_proj"]
+        dev = moe.gate_up_proj.device
+        moe.scales = ExpertScales(moe.gate_up_proj_scale_inv.data, gu.scale_row.to(dev), moe.down_proj_scale_inv.data,
+                                  dn.scale_row.to(dev), dn.k_shift, gu.row_align)
 
     def finish(self, moe: FusedMoE) -> None:
         for name, layout in self.layouts.items():
@@ -206,9 +218,24 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool) -> None:
 
 
 def finish_loading(model: nn.Module) -> None:
-    """After the weights are in: on CPU each quantized weight becomes weight x scale in the compute dtype (then
-    the CPU path is the unquantized one, on the dequantized weights); FP8 experts so on every device."""
+    """After the weights are in: on CPU each quantized weight and expert becomes weight x scale in the compute
+    dtype (then the CPU path is the unquantized one, on the dequantized weights). CUDA: `settle_experts`."""
     for module in model.modules():
         quant = getattr(module, "quant", None)
-        if isinstance(quant, Fp8Experts) or (isinstance(quant, Fp8Weight) and not module.weight.is_cuda):
+        if isinstance(quant, (Fp8Weight, Fp8Experts)) and not next(module.parameters()).is_cuda:
             quant.finish(module)
+
+
+def settle_experts(model: nn.Module, fused: bool) -> None:
+    """On CUDA, once the engine has chosen its kernels: FP8 experts stay in fp8 when the fused kernels run
+    (they alone read fp8 experts), else they are dequantized once."""
+    experts = [m for m in model.modules() if isinstance(getattr(m, "quant", None), Fp8Experts)]
+    if experts and fused:
+        from tp_engine.kernels.moe import self_test_fp8
+        try:
+            self_test_fp8(experts[0].gate_up_proj.device)
+        except Exception as e:  # a broken kernel must not give wrong outputs: the bf16 path still works
+            log.warning("FP8 experts dequantized to the compute dtype (their kernels failed a self-test: %s)", e)
+            fused = False
+    for module in experts:
+        module.quant.keep(module) if fused else module.quant.finish(module)

@@ -58,6 +58,7 @@ class FusedMoE(nn.Module):
         assert intermediate % self.tp.size == 0, \
             f"moe_intermediate_size {intermediate} does not split across {self.tp.size} ranks"
         self.num_experts, self.hidden, self.full_inter = num_experts, hidden, intermediate
+        self.scales = None  # block scales when the experts stay in fp8 (layers/fp8.py)
         self.inter = n = intermediate // self.tp.size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
@@ -81,8 +82,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), [N, hidden]."""
         ops = fused_ops(x.device)
-        if ops is not None:
-            return ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        if ops is not None:  # `scales`: fp8 experts (layers/fp8.Fp8Experts.keep)
+            return ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.scales)
         return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
