@@ -167,9 +167,9 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Take the cached prefix of `req`; True when the pages for the rest of its tokens are free now."""
         n, S = req.num_tokens, self.page_size
-        if self.pool.enabled:  # never the page of the last token
-            req.pages = self.pool.match(chain_keys(req.chain, req.tokens, S, (n - 1) // S))
-            req.keys = req.chain[:len(req.pages)]
+        # never the page of the last token; the keys are computed up to the first miss (none without the cache)
+        req.pages = self.pool.match(chain_keys(req.chain, req.tokens, S, (n - 1) // S))
+        req.keys = req.chain[:len(req.pages)]
         req.num_cached = len(req.pages) * S
         if pages_for(n, S) - len(req.pages) > self._available():
             self._free_pages(req)
