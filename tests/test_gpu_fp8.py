@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, LEADING_SHARE, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm,
-                         memorize, needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_follows, assert_parity, generate, hf_greedy,
+                         llm, memorize, needs_flashinfer)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -172,10 +172,7 @@ def test_fp8_graph_decode_equals_eager_and_follows_bf16(ckpts, gemm):
         del m
         torch.cuda.empty_cache()
     assert runs["graph"] == runs["eager"]
-    leading = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
-                  for x, y in zip(runs["graph"], runs["bf16"]))
-    total = sum(len(y) for y in runs["bf16"])
-    assert leading >= LEADING_SHARE * total, f"FP8 follows bf16 for only {leading} of {total} tokens"
+    assert_follows(runs["graph"], runs["bf16"], "FP8 follows bf16")
 
 
 @pytest.mark.multi_gpu
