@@ -108,3 +108,19 @@ def assert_parity(ref, prompts, ours, theirs) -> None:
     matched = sum(check_against(ref, p, a, b) for p, a, b in zip(prompts, ours, theirs))
     total = sum(len(a) for a in ours)
     assert matched >= LEADING_SHARE * total, f"only {matched} of {total} greedy tokens before the first difference"
+
+
+def step_batch(prefill: bool, seq_lens, extend_lens, tables, page_size, dev):
+    """A context.Batch for attention-backend tests: request i holds seq_lens[i] tokens in pages tables[i], the
+    last extend_lens[i] of them computed in this step."""
+    from tp_engine.context import Batch
+    pos, loc = [], []
+    for L, n, t in zip(seq_lens, extend_lens, tables):
+        for p in range(L - n, L):
+            pos.append(p)
+            loc.append(t[p // page_size] * page_size + p % page_size)
+    N = len(pos)
+    last = torch.tensor(extend_lens).cumsum(0) - 1
+    return Batch(prefill, torch.zeros(N, dtype=torch.int64, device=dev), torch.tensor(pos, device=dev),
+                 torch.tensor(loc, device=dev), list(seq_lens), list(extend_lens), [list(t) for t in tables],
+                 last.to(dev))

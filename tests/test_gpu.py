@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
+                         step_batch)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -37,20 +38,6 @@ PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 3], [8] * 40, list(range(100, 233)), [1
 
 
 # ---- attention backend ----
-
-def _batch(prefill: bool, seq_lens, extend_lens, tables, page_size, dev):
-    from tp_engine.context import Batch
-    pos, loc = [], []
-    for L, n, t in zip(seq_lens, extend_lens, tables):
-        for p in range(L - n, L):
-            pos.append(p)
-            loc.append(t[p // page_size] * page_size + p % page_size)
-    N = len(pos)
-    last = torch.tensor(extend_lens).cumsum(0) - 1
-    return Batch(prefill, torch.zeros(N, dtype=torch.int64, device=dev), torch.tensor(pos, device=dev),
-                 torch.tensor(loc, device=dev), list(seq_lens), list(extend_lens), [list(t) for t in tables],
-                 last.to(dev))
-
 
 def test_flashinfer_matches_torch_backend():
     needs_flashinfer()
@@ -78,7 +65,7 @@ def test_flashinfer_matches_torch_backend():
         v = torch.randn(N, KVH, D, generator=g).to(DEV, BF16)
         outs = {}
         for name, backend in (("fi", fi), ("ref", ref)):
-            batch = _batch(prefill, seq, ext, tables, S, DEV)
+            batch = step_batch(prefill, seq, ext, tables, S, DEV)
             backend.prepare(batch)
             outs[name] = backend.forward(0, q, k, v, caches[name], batch)
         assert torch.equal(caches["fi"].data, caches["ref"].data), "K/V written to different slots"
@@ -113,8 +100,8 @@ def test_fused_qkv_path_matches_torch_path():
     S, lens = 16, [33, 440, 7]
     starts = [0, 3, 31]
     tables = [[s0 + j for j in range((L + S - 1) // S)] for s0, L in zip(starts, lens)]
-    batch_f = _batch(True, lens, lens, tables, S, DEV)
-    batch_t = _batch(True, lens, lens, tables, S, DEV)
+    batch_f = step_batch(True, lens, lens, tables, S, DEV)
+    batch_t = step_batch(True, lens, lens, tables, S, DEV)
     qkv = torch.randn(sum(lens), (4 + 2 * 2) * 128, device=DEV).to(BF16) * 3
     cf, ct = KVCache(1, P, S, 2, 128, BF16, DEV), KVCache(1, P, S, 2, 128, BF16, DEV)
     fi.prepare(batch_f)

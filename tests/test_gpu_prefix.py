@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm, needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
+                         step_batch)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -68,7 +69,6 @@ def test_flashinfer_mixed_step_over_shared_pages_matches_torch():
     needs_flashinfer()
     from tp_engine.attention.flashinfer_backend import FlashInferBackend
     from tp_engine.attention.torch_backend import TorchBackend
-    from tp_engine.context import Batch
     from tp_engine.kv_cache import KVCache
 
     H, KVH, D, S, P = 8, 2, 128, 16, 32
@@ -81,12 +81,7 @@ def test_flashinfer_mixed_step_over_shared_pages_matches_torch():
     fill = torch.randn(P + 1, 2, S, KVH, D, generator=g).to(DEV, BF16)  # the K/V earlier steps wrote
     for c in caches.values():
         c.data[0].copy_(fill)
-    pos, loc = [], []
-    for L, n, t in zip(seq, ext, tables):
-        for p in range(L - n, L):
-            pos.append(p)
-            loc.append(t[p // S] * S + p % S)
-    N = len(pos)
+    N = sum(ext)
     q = torch.randn(N, H, D, generator=g).to(DEV, BF16)
     k = torch.randn(N, KVH, D, generator=g).to(DEV, BF16)
     v = torch.randn(N, KVH, D, generator=g).to(DEV, BF16)
@@ -95,9 +90,7 @@ def test_flashinfer_mixed_step_over_shared_pages_matches_torch():
     ref = TorchBackend(device=DEV, num_heads=H, num_kv_heads=KVH, head_dim=D, page_size=S)
     outs = {}
     for name, backend in (("fi", fi), ("ref", ref)):
-        batch = Batch(True, torch.zeros(N, dtype=torch.int64, device=DEV), torch.tensor(pos, device=DEV),
-                      torch.tensor(loc, device=DEV), seq, ext, tables,
-                      (torch.tensor(ext).cumsum(0) - 1).to(DEV))
+        batch = step_batch(True, seq, ext, tables, S, DEV)
         backend.prepare(batch)
         outs[name] = backend.forward(0, q, k, v, caches[name], batch)
     assert torch.equal(caches["fi"].data, caches["ref"].data)
