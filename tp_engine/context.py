@@ -29,6 +29,12 @@ class Batch:
     def size(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def decode_rows(self) -> int:
+        """How many leading rows have one new token: all of a decode step; in a mixed step its decode rows,
+        which the scheduler puts first (they hold the references to the previous step's tokens)."""
+        return next((i for i, n in enumerate(self.extend_lens) if n != 1), self.size)
+
 
 @dataclass
 class Context:

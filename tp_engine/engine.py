@@ -166,8 +166,7 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # resolves the token references inside the graph
-        # references to the previous step's tokens are in decode rows, which lead a mixed step with one token each
-        lead = next((i for i, n in enumerate(batch.extend_lens) if n != 1), batch.size)
+        lead = batch.decode_rows  # the references to the previous step's tokens are in these rows
         if lead:
             self.resolve(batch.input_ids[:lead])  # in place
         self.attn.prepare(batch)

@@ -87,11 +87,10 @@ class FlashInferBackend:
     def prepare(self, batch: Batch) -> None:
         kv_indptr, indices, last_len = page_table(batch, self.page_size)
         lens = batch.extend_lens
-        # A mixed step's leading rows of one token attend like decode rows (the scheduler puts them first).
-        # Planned together with the prompt rows, they would shrink the query tile flashinfer picks for all
-        # rows (from the average query length), and a long prompt's chunk would re-read its whole context
-        # once per 16 queries.
-        d = next((i for i, n in enumerate(lens) if n != 1), len(lens)) if batch.is_prefill else len(lens)
+        # A mixed step's leading rows of one token attend like decode rows. Planned together with the prompt
+        # rows, they would shrink the query tile flashinfer picks for all rows (from the average query
+        # length), and a long prompt's chunk would re-read its whole context once per 16 queries.
+        d = batch.decode_rows
         if d:
             self._plan_decode(kv_indptr[:d + 1], indices[:kv_indptr[d]], last_len[:d])
         wrapper = self.decode_wrapper
