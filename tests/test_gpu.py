@@ -7,6 +7,7 @@ greedy margins stand well above bf16 rounding (tests/gpu_helpers.py).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -199,6 +200,7 @@ def test_kv_pool_sized_from_free_memory(tiny_ckpt, caplog):
     needs_flashinfer()
     import logging
     caplog.set_level(logging.INFO, logger="tp_engine")
+    gc.collect()  # engines of earlier tests (reference cycles) release their memory now, not mid-test
     torch.cuda.empty_cache()  # what the engine does before it measures: memory cached by earlier tests is free
     free, _ = torch.cuda.mem_get_info(DEV)
     m = llm(tiny_ckpt, kv_cache={"gpu_memory_utilization": 0.2}, cuda_graph=False)

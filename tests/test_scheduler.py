@@ -175,3 +175,12 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
         if bound:
             assert mixed > 5  # the long prompt was spread over many steps shared with decode rows
     assert outputs[cost] == outputs[0]
+
+
+def test_graph_token_buckets_pad_a_step_by_at_most_an_eighth():
+    """The token counts prompt steps are captured at (piecewise_graph.py)."""
+    from tp_engine.piecewise_graph import token_buckets
+    b = token_buckets(4096)
+    assert b[:3] == [64, 128, 192] and b[-1] == 4096 and b == sorted(set(b))
+    assert all((hi - lo) / lo <= 1 / 8 for lo, hi in zip(b, b[1:]) if lo >= 512)
+    assert token_buckets(100) == [64, 100] and token_buckets(64) == [64]

@@ -79,6 +79,8 @@ SCHEMA: dict[str, Key] = {
     "attention_backend": Key(_STR, "auto", "auto = flashinfer on CUDA, torch on CPU", ("auto", "flashinfer", "torch")),
     "cuda_graph": Key(_BOOL, True, "capture decode steps in CUDA graphs (CUDA only)"),
     "cuda_graph_max_batch": Key(_INT, 256, "largest decode batch captured in a CUDA graph", check=_positive),
+    "cuda_graph_max_tokens": Key(_INT, 4096, "prompt and mixed steps of up to this many tokens run as CUDA graphs "
+                                 "in pieces around attention (TP 1); 0 = eager", check=_non_negative),
     "max_batch_size": Key(_INT, 256, "most requests in one decode batch", check=_positive),
     "max_prefill_tokens": Key(_INT, 8192, "most tokens in one step, decode rows (one token each) included; a longer "
                               "prompt is computed in chunks across steps while the others decode", check=_positive),

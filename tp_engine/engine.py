@@ -84,11 +84,13 @@ class Engine:
         self.tables = PageTables()  # every running request's pages, kept in step by the step messages
         # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
         self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
-        self.graphs = None
+        self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
         if device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
             from tp_engine.cuda_graph import GraphRunner
+            from tp_engine.piecewise_graph import piecewise_graphs
             self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))
+            self.pieces = piecewise_graphs(self)
 
     # ---- set-up ----
 
@@ -170,6 +172,8 @@ class Engine:
         if lead:
             self.resolve(batch.input_ids[:lead])  # in place
         self.attn.prepare(batch)
+        if self.pieces is not None and self.pieces.can_run(batch):
+            return self.pieces.run(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
 

@@ -1,8 +1,8 @@
 """flashinfer attention over the paged KV cache (CUDA only).
 
-Prefill: `BatchPrefillWithPagedKVCacheWrapper` (ragged queries over paged K/V, causal). Decode:
-`BatchDecodeWithPagedKVCacheWrapper` with tensor cores. Both use the FA2 kernels, so one JIT-compiled
-module serves prefill, eager decode and the CUDA-graph decode wrappers (cuda_graph.py).
+Eager steps: `BatchPrefillWithPagedKVCacheWrapper` (ragged queries over paged K/V, causal), one for a
+step's one-token rows and one for its prompt rows. CUDA-graph decode (cuda_graph.py):
+`BatchDecodeWithPagedKVCacheWrapper` with tensor cores. All run the FA2 kernels of one JIT-compiled module.
 
 `prepare(batch)` plans once per step (all layers share the plan); `forward` writes K/V into the pages
 (one index_copy_ each, no Python loop) and attends. `forward_qkv` is the fused path the model takes
@@ -11,8 +11,8 @@ when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V writ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from tp_engine.context import Batch
@@ -72,9 +72,12 @@ class FlashInferBackend:
         self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = num_heads, num_kv_heads, head_dim, page_size
         self.max_batch, self.num_pages = max_batch, num_pages
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Eager steps plan their one-token rows and their prompt rows apart (see prepare), both through the
+        # prefill planner: it takes every host array it copies from the caller (see _plan). The decode
+        # wrapper with tensor cores runs the same kernels; CUDA-graph decode keeps it.
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            use_tensor_cores=True)
+        self.decode_rows_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                                  backend="fa2")
         self.split_kv = SPLIT_KV
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
@@ -86,33 +89,35 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch) -> None:
         kv_indptr, indices, last_len = page_table(batch, self.page_size)
-        lens = batch.extend_lens
+        lens, seq = batch.extend_lens, np.asarray(batch.seq_lens, dtype=np.int32)
         # A mixed step's leading rows of one token attend like decode rows. Planned together with the prompt
         # rows, they would shrink the query tile flashinfer picks for all rows (from the average query
         # length), and a long prompt's chunk would re-read its whole context once per 16 queries.
         d = batch.decode_rows
         if d:
-            self._plan_decode(kv_indptr[:d + 1], indices[:kv_indptr[d]], last_len[:d])
-        wrapper = self.decode_wrapper
+            self._plan(self.decode_rows_wrapper, np.arange(d + 1, dtype=np.int32), kv_indptr[:d + 1],
+                       indices[:kv_indptr[d]], last_len[:d], seq[:d])
+        wrapper = self.decode_rows_wrapper
         if d < len(lens):
             # causal: each row's queries are the last of its KV (a chunk after its cached prefix, shared or not)
             wrapper = self.prefill_wrapper
-            qo_indptr = torch.tensor([0, *accumulate(lens[d:])], dtype=torch.int32)
-            self.guard.before(wrapper)
-            wrapper.plan(qo_indptr, torch.from_numpy(kv_indptr[d:] - kv_indptr[d]),
-                         torch.from_numpy(indices[kv_indptr[d]:]), torch.from_numpy(last_len[d:]), self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=self.dtype,
-                         kv_data_type=self.dtype)
-            self.guard.after(wrapper)
+            qo_indptr = np.zeros(len(lens) - d + 1, dtype=np.int32)
+            np.cumsum(lens[d:], out=qo_indptr[1:])
+            self._plan(wrapper, qo_indptr, kv_indptr[d:] - kv_indptr[d], indices[kv_indptr[d]:], last_len[d:],
+                       seq[d:])
         k_rows, v_rows = slot_rows(batch.out_loc, self.page_size)
         batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows, d if wrapper is self.prefill_wrapper else 0)
 
-    def _plan_decode(self, kv_indptr, indices, last_len) -> None:
-        wrapper = self.decode_wrapper
+    def _plan(self, wrapper, qo_indptr: np.ndarray, kv_indptr: np.ndarray, indices: np.ndarray,
+              last_len: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Plan from pinned copies of the host arrays: flashinfer's copies of them to the GPU then queue behind
+        the work already there. From pageable memory each copy would wait for the GPU to finish that work,
+        and the host could no longer prepare a step while the GPU runs the one before."""
+        pinned = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).pin_memory()
+                  for a in (qo_indptr, kv_indptr, indices, last_len, seq_lens)]
         self.guard.before(wrapper)
-        wrapper.plan(torch.from_numpy(kv_indptr), torch.from_numpy(indices), torch.from_numpy(last_len),
-                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, q_data_type=self.dtype,
-                     kv_data_type=self.dtype)
+        wrapper.plan(*pinned[:4], self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=True,
+                     q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned[4])
         self.guard.after(wrapper)
 
     def graph_decode_wrapper(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
@@ -177,7 +182,8 @@ class FlashInferBackend:
         rows = cache.view(-1, self.num_kv_heads, self.head_dim)
         rows.index_copy_(0, plan.k_rows, k.to(cache.dtype))
         rows.index_copy_(0, plan.v_rows, v.to(cache.dtype))
-        return self._attend(plan, q.contiguous(), cache)
+        q = q.contiguous()
+        return self.attend(plan, q, cache, torch.empty_like(q))
 
     def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
         """The fused path: qkv [N, (heads + 2 kv_heads) * d] straight from the projection -> [N, heads, d].
@@ -185,15 +191,20 @@ class FlashInferBackend:
         `attn` is the model's attention module (q_norm, k_norm, rotary)."""
         plan: StepPlan = batch.plan["flashinfer"]
         cache = kv_cache.layer(layer)
-        q = self.ops.qk_norm_rope_store(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
-                                        attn.rotary.cos, attn.rotary.sin, batch.positions, plan.k_rows, cache,
-                                        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        return self._attend(plan, q, cache)
+        q = self.store_qkv(qkv, attn, cache, batch.positions, plan.k_rows)
+        return self.attend(plan, q, cache, torch.empty_like(q))
 
-    def _attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def store_qkv(self, qkv: torch.Tensor, attn, cache: torch.Tensor, positions: torch.Tensor, k_rows: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Q/K RMSNorm and RoPE, K and V written to the layer's `cache` (rows k_rows); returns Q [N, heads, d]."""
+        return self.ops.qk_norm_rope_store(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                           attn.rotary.cos, attn.rotary.sin, positions, k_rows, cache,
+                                           self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, out)
+
+    def attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Attention of the planned step's queries q [N, heads, d] over the layer's cache, into `out`."""
         d = plan.decode_rows
         if d:  # the runs share the float workspace: one after the other on the stream
-            self.decode_wrapper.run(q[:d], cache, out=out[:d])
+            self.decode_rows_wrapper.run(q[:d], cache, out=out[:d])
         plan.wrapper.run(q[d:], cache, out=out[d:])
         return out

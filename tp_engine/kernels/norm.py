@@ -114,8 +114,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_rows: torch.Tensor,
-                       cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int, page_size: int) -> torch.Tensor:
-    """qkv: [N, (heads + 2 kv_heads) * head_dim] -> q [N, heads, head_dim], normalised and rotated.
+                       cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int, page_size: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv: [N, (heads + 2 kv_heads) * head_dim] -> q [N, heads, head_dim], normalised and rotated (into
+    `out` when given, contiguous).
 
     K (normalised, rotated) and V go straight into `cache` (one layer, [pages, 2, page_size, kv_heads,
     head_dim]): K of token t to row k_rows[t] of the cache viewed as [rows, kv_heads, head_dim], V to
@@ -123,7 +125,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     """
     n = qkv.shape[0]
     assert qkv.stride(-1) == 1 and cache.is_contiguous() and head_dim % 2 == 0
-    q = torch.empty((n, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((n, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if out is None else out
+    assert q.shape == (n, heads, head_dim) and q.is_contiguous()
     if n:
         _qk_norm_rope_store_kernel[(n, heads + 2 * kv_heads)](
             qkv, qkv.stride(0), q, q_weight, k_weight, cos, sin, positions, k_rows, cache, eps, 1.0 / head_dim,

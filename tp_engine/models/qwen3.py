@@ -108,5 +108,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Last-position logits [B, vocab] in fp32 on rank 0; None on the other ranks."""
-        logits = self.lm_head(self.model(input_ids))
+        return self.logits(self.model(input_ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head on the final hidden states [N, hidden] (of each request's last position in a prompt step)."""
+        logits = self.lm_head(hidden)
         return None if logits is None else logits.float()

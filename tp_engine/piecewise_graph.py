@@ -1,0 +1,150 @@
+"""CUDA graphs for prompt and mixed steps, captured in pieces around attention.
+
+Launched eagerly, a step with prompt tokens costs the host about ten Python calls per layer, each tens of
+microseconds: for Qwen3-0.6B about 20 ms per step against 5 ms of kernels for a chunk of ~700 tokens, and the
+requests decoding beside the chunk wait on all of it. A whole step cannot be one graph, since its attention
+depends on every request's chunk and context; nothing else does. The embedding, projections, norms, MLP (or
+experts) and the fused Q/K norm + RoPE + K/V write see only the token count. So for each token-count bucket
+T the model body is captured as L + 1 graphs, cut at each layer's attention.
+
+A step of N <= T tokens copies its ids, positions and KV slots into static buffers, replays piece 0, attends
+eagerly over the first N rows (flashinfer, planned for this step by `prepare` as usual), replays piece 1, and
+so on; the LM head then runs eagerly on the real rows. Rows N..T-1 are padding: they keep stale ids and
+positions and write their K/V into the scratch page only. They never mix with real rows, since every op in
+the pieces works row by row (the expert routing too).
+
+TP 1 only: at TP > 1 the pieces would hold the all-reduces, which no test has yet run on hardware there.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
+from tp_engine.context import Batch, forward_context
+
+log = logging.getLogger("tp_engine")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Multiples of 64 up to 1024, then eight sizes per doubling (a step is padded by at most 1/8, and by at
+    most 1/16 above 1024 tokens), up to max_tokens (always included)."""
+    sizes, n, step = [], 64, 64
+    while n < max_tokens:
+        sizes.append(n)
+        n += step
+        if n >= 16 * step:
+            step *= 2
+    return sizes + [max_tokens]
+
+
+def piecewise_graphs(engine) -> "PiecewiseGraphs | None":
+    """The runner when the config asks for it and the engine can run it: CUDA, flashinfer with the fused
+    Q/K kernel, TP 1 (see the module's note)."""
+    most = min(engine.cfg["cuda_graph_max_tokens"], engine.cfg["max_prefill_tokens"])
+    attn = engine.attn
+    if most <= 0 or not (isinstance(attn, FlashInferBackend) and attn.fuses_qkv):
+        return None
+    if engine.tp.size > 1:
+        if engine.tp.is_first:
+            log.info("CUDA graphs for prompt steps: off at TP %d (TP 1 only for now)", engine.tp.size)
+        return None
+    return PiecewiseGraphs(engine, most)
+
+
+class PiecewiseGraphs:
+    fuses_qkv = True  # what the model asks of its attention backend; at capture, this object stands in for it
+
+    def __init__(self, engine, max_tokens: int) -> None:
+        t0 = time.perf_counter()
+        self.attn: FlashInferBackend = engine.attn
+        self.kv, self.model = engine.kv, engine.model
+        self.buckets = token_buckets(max_tokens)
+        M, dev, a = self.buckets[-1], engine.device, engine.attn
+        self.pad_loc = self.kv.scratch_page * self.kv.page_size
+        # static inputs and outputs, shared by all buckets (bucket T uses the first T rows)
+        self.input_ids = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.out_loc = torch.full((M,), self.pad_loc, dtype=torch.int64, device=dev)
+        self.k_rows, self.v_rows = torch.zeros_like(self.out_loc), torch.zeros_like(self.out_loc)
+        self.q = torch.zeros(M, a.num_heads, a.head_dim, dtype=engine.dtype, device=dev)  # a piece's last output
+        self.o = torch.zeros_like(self.q)  # attention's output, the next piece's first input
+        self.hidden = torch.zeros(M, engine.model_cfg.hidden_size, dtype=engine.dtype, device=dev)
+        self._last = torch.zeros(1, dtype=torch.int64, device=dev)  # the LM head is not in the pieces
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.cuts: list[int] = []  # the layer of each cut, in order
+        self._capturing: list[torch.cuda.CUDAGraph] | None = None
+        self.steps = 0  # steps run through the pieces
+        self._capture(engine.device)
+        log.info("CUDA graphs for prompt steps: %d token counts up to %d, %d pieces each, captured in %.1f s",
+                 len(self.buckets), M, len(self.cuts) + 1, time.perf_counter() - t0)
+
+    # ---- capture ----
+
+    @torch.inference_mode()
+    def _capture(self, device: torch.device) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for T in reversed(self.buckets):  # the largest first: the others reuse its memory
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: compiles the Triton kernels, sets up cuBLAS for these shapes
+                    self._body(T)
+                torch.cuda.synchronize()
+                self.cuts, self._capturing = [], [self._begin()]
+                self._body(T)
+                self._capturing[-1].capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            self.pieces[T], self._capturing = self._capturing, None
+
+    def _begin(self) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # as cuda_graph.py: "global" hangs NCCL
+        return g
+
+    def _body(self, T: int) -> None:
+        """The model body over the first T static rows, into `hidden`; attention is cut out (see forward_qkv)."""
+        slot_rows(self.out_loc[:T], self.kv.page_size, self.k_rows[:T], self.v_rows[:T])
+        plan = StepPlan(None, self.k_rows[:T], self.v_rows[:T])
+        batch = Batch(True, self.input_ids[:T], self.positions[:T], self.out_loc[:T], [T], [T], [[]], self._last,
+                      plan={"flashinfer": plan})
+        with forward_context(batch, self.kv, self):
+            self.hidden[:T].copy_(self.model.model(self.input_ids[:T]))
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
+        """At capture: Q/K norm, RoPE and the K/V write end the piece; the next starts from attention's output."""
+        T = qkv.shape[0]
+        self.attn.store_qkv(qkv, attn, kv_cache.layer(layer), batch.positions, batch.plan["flashinfer"].k_rows,
+                            out=self.q[:T])
+        if self._capturing is not None:
+            self._capturing[-1].capture_end()
+            self.cuts.append(layer)
+            self._capturing.append(self._begin())
+        return self.o[:T]
+
+    # ---- per step ----
+
+    def can_run(self, batch: Batch) -> bool:
+        return len(batch.input_ids) <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """The step's fp32 logits on rank 0 (a prompt step: of each request's last token), as Engine.forward;
+        `batch` is planned (attn.prepare) and its token references resolved."""
+        N = len(batch.input_ids)
+        T = next(t for t in self.buckets if t >= N)
+        self.input_ids[:N].copy_(batch.input_ids)
+        self.positions[:N].copy_(batch.positions)
+        self.out_loc[:N].copy_(batch.out_loc)
+        self.out_loc[N:T].fill_(self.pad_loc)
+        plan, pieces = batch.plan["flashinfer"], self.pieces[T]
+        for layer, piece in zip(self.cuts, pieces):
+            piece.replay()
+            self.attn.attend(plan, self.q[:N], self.kv.layer(layer), self.o[:N])
+        pieces[-1].replay()
+        self.steps += 1
+        with forward_context(batch, self.kv, self.attn):
+            return self.model.logits(self.hidden[:N])
