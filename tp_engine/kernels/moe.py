@@ -252,4 +252,3 @@ def self_test_fp8(device: torch.device) -> None:
                 ref[t] += weights[t, j].float() * (dn_f[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
         err = float((got - ref).norm() / ref.norm())
         assert err < 0.05, f"fused_moe with FP8 experts at {n} tokens: relative error {err:.3f}"
-

@@ -238,4 +238,7 @@ def settle_experts(model: nn.Module, fused: bool) -> None:
             log.warning("FP8 experts dequantized to the compute dtype (their kernels failed a self-test: %s)", e)
             fused = False
     for module in experts:
-        module.quant.keep(module) if fused else module.quant.finish(module)
+        if fused:
+            module.quant.keep(module)
+        else:
+            module.quant.finish(module)
