@@ -163,7 +163,7 @@ def _variants():
     from tp_engine.kernels import fp8, fp8_gemm as g
 
     gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
-    out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u), w, 3)
+    out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u, PDL=True), w, 3)
            for (bn, kb, w), u in ((fp8.GEMV_CONFIGS[0], True), (fp8.GEMV_CONFIGS[-1], True),
                                   (fp8.GEMV_CONFIGS[-1], False))]
     gemm_types = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32",

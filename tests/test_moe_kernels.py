@@ -184,14 +184,14 @@ def test_kernels_compile_for_sm90():
     ints = {name: "*i32" for name in ("ids_ptr", "counts_ptr", "ranks_ptr", "starts_ptr", "total_ptr",
                                       "block_expert_ptr", "sorted_ptr")}
     types = {**bf16, **ints}
-    kernels = [(moe._topk_softmax_kernel, dict(K=8, K_P2=8, RENORM=True, BLOCK_E=128), 1, 1),
+    kernels = [(moe._topk_softmax_kernel, dict(K=8, K_P2=8, RENORM=True, BLOCK_E=128, PDL=True), 1, 1),
                (g._count_kernel, dict(BLOCK=1024), 4, 1), (g._scatter_kernel, dict(BLOCK=1024), 4, 1),
                (g._offsets_kernel, dict(BM=16, E_P2=128, BB=64, FILL=1024), 4, 1)]
     # every tile the few-token path may pick, at the widest step it runs, for bf16 and FP8 experts
     for fp8 in (False, True):
-        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8), warps, 3)
+        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8, PDL=True), warps, 3)
                     for bn, bk, warps in moe.GEMV_TILES]
-        kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=fp8), warps, 3)
+        kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=fp8, PDL=True), warps, 3)
                     for bn, bk, warps in moe.DOWN_TILES]
         for cfg in (g.SMALL, g.LARGE):
             tile = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, FP8=fp8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tp_engine.kernels import triton
+from tp_engine.kernels import pdl, triton
 from tp_engine.kernels.fp8_gemm import BLOCK_K, GEMM_CONFIGS, PRE_CONFIGS, dequantize_weight, gemm
 
 FP8 = torch.float8_e4m3fn
@@ -28,9 +28,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tenso
 if triton is not None:
     import triton.language as tl
 
+    from tp_engine.kernels import _pdl_wait, _prefetch_l2
+
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, N, K, w_stride, s_stride, k_shift, n_kb,
-                         BLOCK_N: tl.constexpr, KB: tl.constexpr, UNIFORM: tl.constexpr):
+                         BLOCK_N: tl.constexpr, KB: tl.constexpr, UNIFORM: tl.constexpr, PDL: tl.constexpr):
         """One program: BLOCK_N output rows, KB whole k-blocks (128 columns each) per iteration; n_kb =
         ceil((K + k_shift) / 128), from the host. Each thread holds several rows of the same columns, so the
         activations are converted once per column, not once per weight.
@@ -52,6 +54,10 @@ if triton is not None:
         else:
             s_rows = s_ptr + tl.load(srow_ptr + rows, mask=rmask, other=0)[:, None] * s_stride
             acc = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+        if PDL:  # the first tile into the L2 cache before waiting for x; one address per 128-byte line
+            lines = tl.minimum(tl.maximum(tl.arange(0, KB) * 128 - k_shift, 0), K - 1)
+            _prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :])
+        _pdl_wait(PDL)
         for b0 in range(0, n_kb, KB):
             cols = b0 * 128 - k_shift + kk
             cmask = (cols >= 0) & (cols < K)
@@ -82,9 +88,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: 
     bn, kb, warps = cfg
     n, k = weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    on = pdl(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](x, weight, scale, scale_row, out, n, k, weight.stride(0),
                                             scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128), BLOCK_N=bn, KB=kb,
-                                            UNIFORM=row_align % bn == 0, num_warps=warps)
+                                            UNIFORM=row_align % bn == 0, PDL=on, num_warps=warps, launch_pdl=on)
     return out
 
 

@@ -3,25 +3,33 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import triton
+from tp_engine.kernels import pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from tp_engine.kernels import _pdl_wait
+
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         base = w_ptr + rows[:, None].to(tl.int64) * w_stride
+        # each weight is read once per step: evict_first keeps it from pushing activations out of the L2 cache.
+        # Each iteration loads the next tile: the first is loaded before waiting for x (PDL)
+        cols = tl.arange(0, BLOCK_K)
+        w = tl.load(base + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        _pdl_wait(PDL)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            # each weight is read once per step: keep it from pushing activations out of the L2 cache
-            w = tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
+            nxt = cols + BLOCK_K
+            w = tl.load(base + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
         tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -39,7 +47,9 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
     bn, bk, warps = cfg
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    on = pdl(x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, PDL=on,
+                                        num_warps=warps, launch_pdl=on)
     return out
 
 

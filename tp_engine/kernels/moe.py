@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import moe_grouped, triton
+from tp_engine.kernels import moe_grouped, pdl, triton
 from tp_engine.kernels.moe_grouped import ExpertScales, scale_args
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs above (to be tuned on the GPU)
@@ -28,11 +28,12 @@ GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs 
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _exp, _round, _silu_mul
+    from tp_engine.kernels import _exp, _pdl_wait, _round, _silu_mul
 
     @triton.jit
     def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, K: tl.constexpr, K_P2: tl.constexpr,
-                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         logits = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf"))
@@ -54,9 +55,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride, s_ptr, srow_ptr,
-                             s_se, s_sr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
+                             s_se, s_sr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                             PDL: tl.constexpr):
         """FP8: the BN rows share a scale row (BN divides the layout's row_align), so the block scales multiply
         the activations, one per column, not the weights."""
+        _pdl_wait(PDL)  # the expert ids come from the kernel before
         s = tl.program_id(0)
         first = tl.program_id(1) * BN
         n = first + tl.arange(0, BN)
@@ -89,11 +92,12 @@ if triton is not None:
     @triton.jit
     def _gemv_down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, I, H, act_stride, w_se, w_sn, out_stride,
                           s_ptr, srow_ptr, s_se, s_sr, k_shift, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
+                          BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
         """Rows n of token t's output: its k experts' down rows in one [k, BN, BK] tile, so the loads of all
         k experts are in flight at once (one after the other, each waited for, they read at half the
         bandwidth), then weighted and combined in registers: no second pass. FP8: as in the gate/up kernel,
         the scales multiply the activations (the BN rows, at most 128 and aligned, share a scale row)."""
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * BN
         n = first + tl.arange(0, BN)
@@ -132,7 +136,8 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     if n:
         block = triton.next_power_of_2(e)
         _topk_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   RENORM=renormalize, BLOCK_E=block, num_warps=max(1, min(4, block // 128)))
+                                   RENORM=renormalize, BLOCK_E=block, PDL=pdl(logits.device),
+                                   num_warps=max(1, min(4, block // 128)), launch_pdl=pdl(logits.device))
     return weights, ids
 
 
@@ -156,7 +161,7 @@ def _gate_up(x, gate_up, ids, tile, scales: ExpertScales | None = None) -> torch
     _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
         x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         *scale_args(scales, False, x)[:4], TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(h)),
-        FP8=scales is not None, num_warps=warps)
+        FP8=scales is not None, PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
     return act
 
 
@@ -168,7 +173,8 @@ def _down(act, down, ids, weights, tile, scales: ExpertScales | None = None) -> 
     _gemv_down_kernel[(n, triton.cdiv(h, bn))](
         act, down, ids, weights, out, i, h, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *scale_args(scales, True, act), TOP_K=k, K_P2=triton.next_power_of_2(k), BN=bn,
-        BK=min(bk, triton.next_power_of_2(i)), FP8=scales is not None, num_warps=warps)
+        BK=min(bk, triton.next_power_of_2(i)), FP8=scales is not None, PDL=pdl(act.device), num_warps=warps,
+        launch_pdl=pdl(act.device))
     return out
 
 

@@ -3,20 +3,22 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import _warps, triton
+from tp_engine.kernels import _warps, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _exp, _round, _rsqrt
+    from tp_engine.kernels import _exp, _pdl_wait, _round, _rsqrt
 
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, inv_n, eps,
                             x_stride, res_stride, out_stride, res_out_stride,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        _pdl_wait(PDL)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         DT = x.dtype
         xf = x.to(tl.float32)
@@ -26,14 +28,15 @@ if triton is not None:
             tl.store(res_out_ptr + row * res_out_stride + cols, xf.to(DT), mask=mask)
         rstd = _rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
         y = _round(xf * rstd, DT)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         out = _round(w.to(tl.float32) * y, DT).to(DT)
         tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
     @triton.jit
     def _qk_norm_rope_store_kernel(qkv_ptr, qkv_stride, q_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr,
                                    rows_ptr, cache_ptr, eps, inv_d,
-                                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+                                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                                   PDL: tl.constexpr):
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         hd = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -75,7 +78,8 @@ if triton is not None:
             tl.store(dst + HALF + i, b)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -104,10 +108,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
             res_in = res_in.contiguous()
         res_out = torch.empty_like(out)
     if rows:
-        block = triton.next_power_of_2(n)
+        block, on = triton.next_power_of_2(n), pdl(x.device)
         _add_rmsnorm_kernel[(rows,)](x2, res_in, weight, out, res_out, n, 1.0 / n, eps,
                                      x2.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-                                     HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+                                     HAS_RES=residual is not None, BLOCK=block, PDL=on, num_warps=_warps(block),
+                                     launch_pdl=on)
     shape = x.shape
     return out.view(shape), (x if residual is None else res_out.view(shape))
 
@@ -130,7 +135,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     if n:
         _qk_norm_rope_store_kernel[(n, heads + 2 * kv_heads)](
             qkv, qkv.stride(0), q, q_weight, k_weight, cos, sin, positions, k_rows, cache, eps, 1.0 / head_dim,
-            H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, num_warps=1)
+            H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, PDL=pdl(qkv.device), num_warps=1,
+            launch_pdl=pdl(qkv.device))
     return q
 
 
@@ -142,7 +148,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
-                                                        num_warps=_warps(block))
+        block, on = min(1024, triton.next_power_of_2(n)), pdl(x.device)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, PDL=on,
+                                                        num_warps=_warps(block), launch_pdl=on)
     return out
