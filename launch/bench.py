@@ -118,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="always the public plan() of the flashinfer CUDA-graph wrappers")
     p.add_argument("--no-split-kv", action="store_true", help="CUDA-graph decode without flashinfer's KV split")
     p.add_argument("--no-pdl", action="store_true", help="the Triton kernels without programmatic dependent launch")
+    p.add_argument("--no-decode-kernel", action="store_true",
+                   help="CUDA-graph decode always with flashinfer's attention (not the decode kernel on short contexts)")
     p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
     p.add_argument("--out", help="also write the JSON line to this file")
     return p.parse_args(argv)
@@ -729,7 +731,7 @@ def bench_hf(args, cfg: dict, ckpt: str | None, workloads: set[str], res: dict, 
 
 def set_measuring_knobs(args) -> dict:
     """The module constants behind the measuring-only flags, set before the engine is built."""
-    from tp_engine import kernels
+    from tp_engine import cuda_graph, kernels
     from tp_engine.attention import flashinfer_backend
     from tp_engine.comm import push_all_reduce
 
@@ -738,8 +740,11 @@ def set_measuring_knobs(args) -> dict:
     flashinfer_backend.FAST_PLAN = not args.no_fast_plan
     flashinfer_backend.SPLIT_KV = not args.no_split_kv
     kernels.PDL = not args.no_pdl
+    if args.no_decode_kernel:
+        cuda_graph.KERNEL_MAX_CONTEXT = 0
     return {"push_chunk": push_all_reduce.PUSH_NORM_CHUNK, "fast_plan": flashinfer_backend.FAST_PLAN,
-            "split_kv": flashinfer_backend.SPLIT_KV, "pdl": kernels.PDL}
+            "split_kv": flashinfer_backend.SPLIT_KV, "pdl": kernels.PDL,
+            "decode_kernel_max_context": cuda_graph.KERNEL_MAX_CONTEXT}
 
 
 def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict, fp8: bool) -> None:

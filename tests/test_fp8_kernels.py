@@ -10,9 +10,7 @@
 Triton is optional (CUDA builds of torch bring it); without it these tests skip. tests/test_gpu_fp8.py runs
 the kernels on a GPU.
 """
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,38 +18,15 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_interpreter import run_script  # noqa: E402
+
 
 INTERPRETER_SCRIPT = r'''
 import numpy as np
 import torch
 import torch.nn.functional as F
 import triton.language as tl
-import triton.runtime.interpreter as ti
-
-# Triton 3.6's interpreter, test-side fixes: loop bounds are 1-element arrays, which int() no longer takes
-# (numpy >= 2.4); tl.dot multiplies bfloat16 tiles as raw 16-bit patterns; and float32 -> fp8e4nv rounds
-# without carrying into the exponent (127 becomes 64). The GPU's conversion rounds to nearest even, as torch.
-_patch = ti._patch_lang_tensor
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-ti._patch_lang_tensor = _patch_lang_tensor
-_dot = ti.InterpreterBuilder.create_dot
-def _create_dot(self, a, b, d, *args):
-    def f32(h):
-        if h.dtype == tl.bfloat16:
-            return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-    return _dot(self, f32(a), f32(b), d, *args)
-ti.InterpreterBuilder.create_dot = _create_dot
-_fp_to_fp = ti.InterpreterBuilder.create_fp_to_fp
-def _create_fp_to_fp(self, src, dst_type, rounding_mode):
-    if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
-        data = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return ti.TensorHandle(data, dst_type.scalar)
-    return _fp_to_fp(self, src, dst_type, rounding_mode)
-ti.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
 
 from tp_engine.kernels import fp8
 from tp_engine.kernels.fp8_gemm import GEMM_CONFIGS, PRE_CONFIGS, dequantize_weight, prepare_activations
@@ -119,11 +94,7 @@ print("interpreter ok")
 
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_match_reference_in_interpreter(tmp_path):
-    script = tmp_path / "fp8_interpret.py"
-    script.write_text(INTERPRETER_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-5000:]
+    run_script(INTERPRETER_SCRIPT, tmp_path)
 
 
 # ---- compiled for sm_90 ----

@@ -9,10 +9,8 @@
 Triton is an optional dependency (it comes with CUDA builds of torch; .ci/run installs it on the CPU); without
 it these tests skip. The GPU itself is exercised by tests/test_gpu_moe.py.
 """
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,30 +18,14 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_interpreter import run_script  # noqa: E402
+
 
 INTERPRETER_SCRIPT = r'''
-import sys
 import numpy as np
 import torch
 import triton.language as tl
-import triton.runtime.interpreter as ti
-
-# Triton 3.6's interpreter with numpy >= 2.4: loop bounds are 1-element arrays, which int() no longer takes;
-# and tl.dot multiplies bfloat16 tiles as their raw 16-bit patterns. Patch both, test-side only.
-_patch = ti._patch_lang_tensor
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-ti._patch_lang_tensor = _patch_lang_tensor
-_dot = ti.InterpreterBuilder.create_dot
-def _create_dot(self, a, b, d, *args):
-    def f32(h):
-        if h.dtype == tl.bfloat16:
-            return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-    return _dot(self, f32(a), f32(b), d, *args)
-ti.InterpreterBuilder.create_dot = _create_dot
+import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
 
 from tp_engine.kernels import moe, moe_grouped
 from tp_engine.layers.moe import experts_reference
@@ -136,11 +118,7 @@ print("interpreter ok")
 
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_match_reference_in_interpreter(tmp_path):
-    script = tmp_path / "moe_interpret.py"
-    script.write_text(INTERPRETER_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-5000:]
+    run_script(INTERPRETER_SCRIPT, tmp_path)
 
 
 # ---- compiled for sm_90 ----

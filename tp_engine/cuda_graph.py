@@ -8,7 +8,10 @@ LM head and, with TP > 1, its all-gather of the vocab shards), so rank 0 replays
 
 Each bucket has its own flashinfer decode wrapper (use_cuda_graph=True) whose page-table buffers are
 views of one static buffer shared by all buckets; `run` copies the step's page table into it (one copy),
-re-plans the wrapper and replays. Capture uses capture_error_mode="thread_local": the default mode hangs
+re-plans the wrapper and replays. With the fused kernels, each bucket has a second graph whose attention
+is the decode kernel of kernels/decode_attention.py over the same buffers (no plan): a step whose requests
+all hold at most KERNEL_MAX_CONTEXT tokens replays that one. At those lengths the kernel took 40-60% of
+flashinfer's time at a few hundred tokens and batch 1-16 on an H200; flashinfer's is faster on long contexts. Capture uses capture_error_mode="thread_local": the default mode hangs
 with NCCL on the machines this was measured on.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import page_table, pages_for
 
 log = logging.getLogger("tp_engine")
+KERNEL_MAX_CONTEXT = 1024  # tokens
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -68,18 +72,25 @@ class GraphRunner:
         self.indptr_buf, self.last_buf, self.indices_buf = self.meta[:M + 1], self.meta[M + 1:2 * M + 1], \
             self.meta[2 * M + 1:]
 
+        # the graphs, keyed by (bucket, whether attention is the decode kernel)
         self.wrappers, self.batches, self.graphs, self.outputs = {}, {}, {}, {}
         for bs in self.buckets:
-            w = self.attn.graph_decode_wrapper(self.indptr_buf[:bs + 1], self.indices_buf, self.last_buf[:bs])
-            self.wrappers[bs] = w
-            plan = StepPlan(w, self.k_rows[:bs], self.v_rows[:bs])
-            self.batches[bs] = Batch(False, self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs],
-                                     [1] * bs, [1] * bs, [[self.kv.scratch_page]] * bs, self.last_indices[:bs],
-                                     plan={"flashinfer": plan})
+            bufs = (self.indptr_buf[:bs + 1], self.indices_buf, self.last_buf[:bs])
+            self.wrappers[bs] = self.attn.graph_decode_wrapper(*bufs)
+            self.batches[bs, False] = self._batch(bs, self.wrappers[bs])
+            kernel = self.attn.graph_decode_kernel(*bufs)
+            if kernel is not None:
+                self.batches[bs, True] = self._batch(bs, kernel)
         self._capture()
         if self.tp.is_first:
             log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (all-reduce: %s)",
                      len(self.buckets), self.max_bs, time.perf_counter() - t0, self.allreduce)
+
+    def _batch(self, bs: int, attention) -> Batch:
+        """The static batch of a bucket whose attention runs `attention` (a wrapper or the decode kernel)."""
+        plan = StepPlan(attention, self.k_rows[:bs], self.v_rows[:bs])
+        return Batch(False, self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs], [1] * bs, [1] * bs,
+                     [[self.kv.scratch_page]] * bs, self.last_indices[:bs], plan={"flashinfer": plan})
 
     # ---- capture ----
 
@@ -87,27 +98,27 @@ class GraphRunner:
     def _capture(self) -> None:
         pool = None
         stream = torch.cuda.Stream(self.engine.device)
-        for bs in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
-            self._load(bs, None)
+        for key in sorted(self.batches, reverse=True):  # largest first: the smaller graphs reuse its memory pool
+            self._plan(key[0], *self._load(key[0], None), kernel=key[1])
             # warm-up on the capture stream: compiles Triton kernels, sets up cuBLAS, NCCL
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(bs)
+                    self._step(key)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                out = self._step(bs)
+                out = self._step(key)
             torch.cuda.synchronize()
             pool = g.pool()
-            self.graphs[bs], self.outputs[bs] = g, out
+            self.graphs[key], self.outputs[key] = g, out
 
-    def _step(self, bs: int) -> torch.Tensor | None:
+    def _step(self, key: tuple[int, bool]) -> torch.Tensor | None:
         """The captured work: one decode step of the model on this rank for the first `bs` static rows, the
         model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
         capturable); fp32 logits [bs, vocab] on rank 0, None on the others."""
-        batch = self.batches[bs]
+        bs, batch = key[0], self.batches[key]
         self.engine.resolve(self.input_ids[:bs])  # the tokens of the previous step, from the device
         slot_rows(self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs])
         with forward_context(batch, self.kv, self.attn):
@@ -124,8 +135,9 @@ class GraphRunner:
                 return bs
         raise ValueError(f"decode batch of {b} is larger than the largest CUDA graph ({self.max_bs})")
 
-    def _load(self, bs: int, batch: Batch | None) -> None:
-        """Fill the static inputs and plan the bucket's wrapper: `batch` in the first rows, padding after."""
+    def _load(self, bs: int, batch: Batch | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """Fill the static inputs, `batch` in the first rows and padding after; returns the page table's
+        indptr, the KV lengths and the number of page ids, for `_plan`."""
         M, S = self.max_bs, self.kv.page_size
         b = 0 if batch is None else batch.size
         kv_lens = np.ones(bs, dtype=np.int32)  # padded rows: one token, in the scratch page
@@ -161,14 +173,21 @@ class GraphRunner:
         ids[len(pages):] = self.kv.scratch_page
         # one host-to-device copy, from pinned memory so that it queues behind the step still running
         self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]).pin_memory(), non_blocking=True)
-        self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr.copy()), torch.from_numpy(kv_lens),
-                                    self.indices_buf[:n])
+        return indptr.copy(), kv_lens, n
+
+    def _plan(self, bs: int, indptr: np.ndarray, kv_lens: np.ndarray, n: int, kernel: bool) -> None:
+        """Plan the bucket's flashinfer wrapper, unless the step runs the decode kernel (it needs no plan)."""
+        if not kernel:
+            self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr), torch.from_numpy(kv_lens),
+                                        self.indices_buf[:n])
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | None:
         """Replay the decode step for `batch`; rank 0 gets fp32 logits [>= B, vocab], the others None."""
         b = batch.size
         bs = self._bucket(b)
-        self._load(bs, batch)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b] if self.tp.is_first else None
+        indptr, kv_lens, n = self._load(bs, batch)
+        key = bs, (bs, True) in self.graphs and max(batch.seq_lens) <= KERNEL_MAX_CONTEXT
+        self._plan(bs, indptr, kv_lens, n, key[1])
+        self.graphs[key].replay()
+        return self.outputs[key][:b] if self.tp.is_first else None

@@ -127,6 +127,15 @@ class FlashInferBackend:
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr_buf,
             paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
 
+    def graph_decode_kernel(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
+        """The decode kernel of kernels/decode_attention.py over the same page-table buffers (no plan), or None
+        without the fused kernels. A step runs it or the wrapper (see cuda_graph.py)."""
+        if self.ops is None:
+            return None
+        from tp_engine.kernels.decode_attention import PagedDecode
+        return PagedDecode(indptr_buf, last_buf, indices_buf, self.num_heads, self.num_kv_heads, self.head_dim,
+                           self.page_size)
+
     def plan_graph_decode(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor,
                           indices_dev: torch.Tensor) -> None:
         """Plan a CUDA-graph decode wrapper whose page-table buffers the caller has already filled (kv_indptr
