@@ -10,9 +10,11 @@ Each bucket has its own flashinfer decode wrapper (use_cuda_graph=True) whose pa
 views of one static buffer shared by all buckets; `run` copies the step's page table into it (one copy),
 re-plans the wrapper and replays. With the fused kernels, each bucket has a second graph whose attention
 is the decode kernel of kernels/decode_attention.py over the same buffers (no plan): a step whose requests
-all hold at most KERNEL_MAX_CONTEXT tokens replays that one. At those lengths the kernel took 40-60% of
-flashinfer's time at a few hundred tokens and batch 1-16 on an H200; flashinfer's is faster on long contexts. Capture uses capture_error_mode="thread_local": the default mode hangs
-with NCCL on the machines this was measured on.
+all hold at most KERNEL_MAX_CONTEXT tokens replays that one. At batch 1-16 on an H200 the kernel took
+43-63% of flashinfer's time at 128 tokens, 67-87% at 512, 86-100% at 1,024; beyond, flashinfer's is faster.
+
+Capture uses capture_error_mode="thread_local": the default mode hangs with NCCL on the machines this was
+measured on.
 """
 from __future__ import annotations
 

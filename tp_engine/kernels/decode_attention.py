@@ -93,8 +93,9 @@ if triton is not None:
                     tl.store(count_ptr + pair, 0)  # ready for the next call
 
 
-# Measured on an H200 (docs/benchmarks.md): 128 tokens per iteration for up to 16 requests, 64 above; a request
-# that short runs in one program (no partials, no merge)
+# Measured on an H200 (docs/benchmarks.md): 128 tokens per iteration for up to 16 requests, 64 above. A request
+# of at most one iteration's tokens runs in one program (no partials, no merge); a longer one in up to
+# MAX_SPLITS, as many as give two programs per SM
 MAX_SPLITS = 32
 WARPS, STAGES = 4, 3
 
