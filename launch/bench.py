@@ -18,9 +18,10 @@ Workloads (comma-separated, or `all`):
               both, and the ratio on/off (`speedup`)
   long_prompt --long-decoders (64) requests decode; once the first has --long-after (16) tokens, one
               --long-len (32,000) token prompt arrives: its TTFT, the decoders' time per output token
-              (p50/p99) while it prefills and its p50 otherwise (the ratio p99 / that p50): with the configured max_prefill_tokens and
-              max_prefill_cost_while_decoding (`chunked`), each --long-costs value (`cost_N`), chunks of
-              max_prefill_tokens alone (`tokens_only`), the whole prompt in one step (`unchunked`)
+              (p50/p99) while it prefills and its p50 otherwise (the ratio p99 / that p50): with the
+              configured max_prefill_tokens and max_prefill_cost_while_decoding (`chunked`), each
+              --long-costs value (`cost_N`), chunks of max_prefill_tokens alone (`tokens_only`), the whole
+              prompt in one step (`unchunked`)
   sampling    the throughput workload twice in one call: temperature only, then with --top-k/--top-p
               (Qwen3's recommended 20 and 0.95 when both are unset); both figures and their ratio
   n8          --n-prompts prompts (64) x --n-samples samples (8) of --n-new-tokens (512) each, against the

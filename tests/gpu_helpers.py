@@ -124,3 +124,19 @@ def step_batch(prefill: bool, seq_lens, extend_lens, tables, page_size, dev):
     return Batch(prefill, torch.zeros(N, dtype=torch.int64, device=dev), torch.tensor(pos, device=dev),
                  torch.tensor(loc, device=dev), list(seq_lens), list(extend_lens), [list(t) for t in tables],
                  last.to(dev))
+
+
+def paged_attention_reference(q, cache, pages: list[list[int]], lens: list[int]) -> torch.Tensor:
+    """softmax(q k / sqrt(d)) v in float64 of each request's one-token query q [B, heads, d] over its first
+    lens[r] tokens in pages[r] of a layer cache [pages, 2, page_size, kv_heads, d] (grouped query heads)."""
+    import math
+    b, h, d = q.shape
+    kvh = cache.shape[3]
+    out = torch.empty(b, h, d, dtype=torch.float64, device=q.device)
+    for r, (p, n) in enumerate(zip(pages, lens)):
+        idx = torch.tensor(p, device=q.device, dtype=torch.int64)
+        k = cache[idx, 0].reshape(-1, kvh, d)[:n].double()
+        v = cache[idx, 1].reshape(-1, kvh, d)[:n].double()
+        w = (torch.einsum("hgd,thd->hgt", q[r].double().view(kvh, h // kvh, d), k) / math.sqrt(d)).softmax(-1)
+        out[r] = torch.einsum("hgt,thd->hgd", w, v).reshape(h, d)
+    return out

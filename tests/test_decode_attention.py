@@ -11,26 +11,11 @@ pytest.importorskip("triton")
 from triton_interpreter import run_script  # noqa: E402
 
 SCRIPT = r'''
-import math
 import torch
 import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
+from gpu_helpers import paged_attention_reference
 
 from tp_engine.kernels import decode_attention as da
-
-
-def reference(q, cache, indptr, last, ids, kvh, page):
-    """float64 attention of each request's query over its tokens."""
-    b, h, d = q.shape
-    out = torch.empty(b, h, d, dtype=torch.float64)
-    for r in range(b):
-        pages = ids[indptr[r]:indptr[r + 1]].long()
-        n = (len(pages) - 1) * page + int(last[r])
-        k = cache[pages, 0].reshape(-1, kvh, d)[:n].double()
-        v = cache[pages, 1].reshape(-1, kvh, d)[:n].double()
-        qr = q[r].double().view(kvh, h // kvh, d)
-        p = (torch.einsum("hgd,thd->hgt", qr, k) / math.sqrt(d)).softmax(-1)
-        out[r] = torch.einsum("hgt,thd->hgd", p, v).reshape(h, d)
-    return out
 
 
 g = torch.Generator().manual_seed(0)
@@ -53,7 +38,7 @@ for heads, kvh, page, lens, splits in ((4, 2, 16, [1, 17, 40], 4), (8, 1, 4, [10
     # several programs per request from 33 tokens on
     dec = da.PagedDecode(indptr, last, torch.tensor(ids, dtype=torch.int32), heads, kvh, d, page, splits=splits,
                          block_t=32, min_chunk=32)
-    want = reference(q, cache, indptr, last, torch.tensor(ids), kvh, page)
+    want = paged_attention_reference(q, cache, [ids[a:b] for a, b in zip(indptr[:-1], indptr[1:])], lens)
     for _ in range(2):
         got = dec.run(q, cache).double()
         err = (got - want).abs().max().item()

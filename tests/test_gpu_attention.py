@@ -9,28 +9,13 @@ Marker `gpu`; skipped without CUDA.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from gpu_helpers import BF16, DEV, HAS_CUDA, needs_flashinfer
+from gpu_helpers import BF16, DEV, HAS_CUDA, needs_flashinfer, paged_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 D, S = 128, 16
-
-
-def reference(q, cache, pages: list[list[int]], lens: list[int]) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=torch.float64, device=DEV)
-    kvh = cache.shape[3]
-    for r, (p, n) in enumerate(zip(pages, lens)):
-        idx = torch.tensor(p, device=DEV)
-        k = cache[idx, 0].reshape(-1, kvh, D)[:n].double()
-        v = cache[idx, 1].reshape(-1, kvh, D)[:n].double()
-        qr = q[r].double().view(kvh, -1, D)
-        w = (torch.einsum("hgd,thd->hgt", qr, k) / math.sqrt(D)).softmax(-1)
-        out[r] = torch.einsum("hgt,thd->hgd", w, v).reshape(-1, D)
-    return out
 
 
 @pytest.mark.parametrize("heads,kvh", [(16, 8), (32, 4), (64, 8)])
@@ -76,7 +61,7 @@ def test_decode_kernel_in_a_graph_is_as_accurate_as_flashinfer(heads, kvh, bs):
         fi.plan(table, flat, lasts, heads, kvh, D, S, q_data_type=BF16, kv_data_type=BF16)
         theirs = fi.run(q, cache)
         torch.cuda.synchronize()
-        want = reference(q, cache, pages, lens)
+        want = paged_attention_reference(q, cache, pages, lens)
         err, fi_err = (out.double() - want).abs().max().item(), (theirs.double() - want).abs().max().item()
         assert err <= 2 * fi_err + 1e-3, f"lengths {lens}: error {err:.2e} against flashinfer's {fi_err:.2e}"
         assert int(dec.count.abs().sum()) == 0, "a merge counter was left set"

@@ -195,6 +195,12 @@ def pdl(device: torch.device) -> bool:
         torch.cuda.current_device() if device.index is None else device.index)
 
 
+def pdl_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel with a `PDL` constexpr (it calls `_pdl_wait(PDL)`) on `device`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 if triton is not None:
     if PRECISE:
         @triton.jit

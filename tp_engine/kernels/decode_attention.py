@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from tp_engine.kernels import pdl, triton
+from tp_engine.kernels import pdl_args, triton
 
 if triton is not None:
     import triton.language as tl
@@ -129,9 +129,8 @@ class PagedDecode:
         """q [batch, heads, d] (contiguous), cache [pages, 2, page_size, kv_heads, d] -> out [batch, heads, d]."""
         assert q.shape == (self.batch, self.h, self.d) and q.is_contiguous() and cache.is_contiguous()
         out = torch.empty_like(q) if out is None else out
-        on = pdl(q.device)
         _decode_kernel[(self.batch, self.kvh, self.splits)](
             q, cache, self.indptr, self.last, self.ids, out, self.part, self.ml, self.count, self.scale_log2,
             self.min_chunk, H=self.h, KVH=self.kvh, G=self.g, GP=self.gp, D=self.d, PAGE=self.page, SPLITS=self.splits,
-            BLOCK_T=self.block_t, PDL=on, num_warps=WARPS, num_stages=STAGES, launch_pdl=on)
+            BLOCK_T=self.block_t, num_warps=WARPS, num_stages=STAGES, **pdl_args(q.device))
         return out

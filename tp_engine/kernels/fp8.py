@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tp_engine.kernels import pdl, triton
+from tp_engine.kernels import pdl_args, triton
 from tp_engine.kernels.fp8_gemm import BLOCK_K, GEMM_CONFIGS, PRE_CONFIGS, dequantize_weight, gemm
 
 FP8 = torch.float8_e4m3fn
@@ -88,10 +88,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: 
     bn, kb, warps = cfg
     n, k = weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    on = pdl(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](x, weight, scale, scale_row, out, n, k, weight.stride(0),
                                             scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128), BLOCK_N=bn, KB=kb,
-                                            UNIFORM=row_align % bn == 0, PDL=on, num_warps=warps, launch_pdl=on)
+                                            UNIFORM=row_align % bn == 0, num_warps=warps, **pdl_args(x.device))
     return out
 
 

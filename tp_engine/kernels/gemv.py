@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import pdl, triton
+from tp_engine.kernels import pdl_args, triton
 
 if triton is not None:
     import triton.language as tl
@@ -47,9 +47,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
     bn, bk, warps = cfg
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    on = pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, PDL=on,
-                                        num_warps=warps, launch_pdl=on)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                        **pdl_args(x.device))
     return out
 
 

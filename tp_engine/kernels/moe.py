@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import moe_grouped, pdl, triton
+from tp_engine.kernels import moe_grouped, pdl_args, triton
 from tp_engine.kernels.moe_grouped import ExpertScales, scale_args
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs above (to be tuned on the GPU)
@@ -136,8 +136,8 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     if n:
         block = triton.next_power_of_2(e)
         _topk_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   RENORM=renormalize, BLOCK_E=block, PDL=pdl(logits.device),
-                                   num_warps=max(1, min(4, block // 128)), launch_pdl=pdl(logits.device))
+                                   RENORM=renormalize, BLOCK_E=block,
+                                   num_warps=max(1, min(4, block // 128)), **pdl_args(logits.device))
     return weights, ids
 
 
@@ -161,7 +161,7 @@ def _gate_up(x, gate_up, ids, tile, scales: ExpertScales | None = None) -> torch
     _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
         x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         *scale_args(scales, False, x)[:4], TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(h)),
-        FP8=scales is not None, PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
+        FP8=scales is not None, num_warps=warps, **pdl_args(x.device))
     return act
 
 
@@ -173,8 +173,8 @@ def _down(act, down, ids, weights, tile, scales: ExpertScales | None = None) -> 
     _gemv_down_kernel[(n, triton.cdiv(h, bn))](
         act, down, ids, weights, out, i, h, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *scale_args(scales, True, act), TOP_K=k, K_P2=triton.next_power_of_2(k), BN=bn,
-        BK=min(bk, triton.next_power_of_2(i)), FP8=scales is not None, PDL=pdl(act.device), num_warps=warps,
-        launch_pdl=pdl(act.device))
+        BK=min(bk, triton.next_power_of_2(i)), FP8=scales is not None, num_warps=warps,
+        **pdl_args(act.device))
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.kernels import _warps, pdl, triton
+from tp_engine.kernels import _warps, pdl_args, triton
 
 if triton is not None:
     import triton.language as tl
@@ -108,11 +108,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
             res_in = res_in.contiguous()
         res_out = torch.empty_like(out)
     if rows:
-        block, on = triton.next_power_of_2(n), pdl(x.device)
+        block = triton.next_power_of_2(n)
         _add_rmsnorm_kernel[(rows,)](x2, res_in, weight, out, res_out, n, 1.0 / n, eps,
                                      x2.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-                                     HAS_RES=residual is not None, BLOCK=block, PDL=on, num_warps=_warps(block),
-                                     launch_pdl=on)
+                                     HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+                                     **pdl_args(x.device))
     shape = x.shape
     return out.view(shape), (x if residual is None else res_out.view(shape))
 
@@ -135,8 +135,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     if n:
         _qk_norm_rope_store_kernel[(n, heads + 2 * kv_heads)](
             qkv, qkv.stride(0), q, q_weight, k_weight, cos, sin, positions, k_rows, cache, eps, 1.0 / head_dim,
-            H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, PDL=pdl(qkv.device), num_warps=1,
-            launch_pdl=pdl(qkv.device))
+            H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, num_warps=1, **pdl_args(qkv.device))
     return q
 
 
@@ -148,7 +147,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        block, on = min(1024, triton.next_power_of_2(n)), pdl(x.device)
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, PDL=on,
-                                                        num_warps=_warps(block), launch_pdl=on)
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
+                                                        num_warps=_warps(block), **pdl_args(x.device))
     return out
