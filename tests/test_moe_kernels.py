@@ -105,8 +105,14 @@ for dt in (torch.float32, torch.bfloat16):
                                                                                     scales)
         for name, run in paths.items():
             got = run()
-            if name.startswith("grouped"):  # the same dequantized values as the reference: only sums reorder
+            if name.startswith("grouped") and dt == torch.float32:  # the reference's values: only sums reorder
                 torch.testing.assert_close(got, ref, msg=f"fp8 {dt} n={n} {name}")
+            elif name.startswith("grouped"):  # bf16: the reference rounds after each expert it adds, the kernel
+                # once, where outputs cancel too; both against the same experts in float64, no worse than it
+                exact = experts_reference(x.double(), gu_deq.double(), dn_deq.double(), weights.double(), ids)
+                err, ref_err = (got.double() - exact).abs(), (ref.double() - exact).abs()
+                assert err.max() <= 2 * ref_err.max() + 1e-6, (n, name, err.max().item(), ref_err.max().item())
+                assert err.mean() <= 1.5 * ref_err.mean() + 1e-7, (n, name, err.mean().item(), ref_err.mean().item())
             else:  # the scales multiply the activations instead, so the weights skip the reference's rounding to
                 # bf16 (2**-9 of each), through two matmuls: 0.7% of the norm of the output here (2e-7 in float32)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
