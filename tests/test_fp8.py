@@ -292,6 +292,33 @@ def test_modules_to_not_convert_and_dummy_weights(ckpts, tmp_path):
         llm.shutdown()
 
 
+def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
+    """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
+    fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
+    layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's values."""
+    from tp_engine import engine as engine_module
+    from tp_engine.llm import LLM
+    mixed = tmp_path / "mixed"
+    quantize_checkpoint(str(ckpts["src"]), str(mixed), modules_to_not_convert=("model.layers.0.mlp",))
+    seen, quantize_linears = [], engine_module.quantize_linears
+
+    def spy(model, *args):
+        seen.append({n: p.device.type for n, p in model.named_parameters() if n.endswith("proj.weight")})
+        quantize_linears(model, *args)
+
+    monkeypatch.setattr(engine_module, "quantize_linears", spy)
+    llm = LLM(model=str(mixed), device="cpu", sampling={"max_new_tokens": 4})
+    assert len(seen[0]) == 2 * 4 and set(seen[0].values()) == {"meta"}, seen  # 2 layers x qkv, o, gate_up, down
+    params = dict(llm.engine.model.named_parameters())
+    assert all(p.device.type == "cpu" for p in params.values())
+    with safe_open(str(next(mixed.glob("*.safetensors"))), "pt") as f:
+        gate, up = (f.get_tensor(f"model.layers.0.mlp.{n}_proj.weight") for n in ("gate", "up"))
+        down = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(params["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate, up]).float())
+    assert torch.equal(params["model.layers.0.mlp.down_proj.weight"], down.float())
+    llm.shutdown()
+
+
 def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
     """launch/bench.py --weights bf16,fp8 in one call (on CPU, tiny shapes): an FP8 checkpoint in Qwen's format
     written from the config's shapes, both formats measured."""

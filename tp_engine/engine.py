@@ -21,6 +21,7 @@ from tp_engine.context import Batch, forward_context
 from tp_engine.kv_cache import KVCache, pages_for
 from tp_engine.kernels import fused_ops
 from tp_engine.layers.fp8 import finish_loading, quantize_linears, settle_experts
+from tp_engine.layers.linear import weights_on_meta
 from tp_engine.loader import init_dummy, load_checkpoint
 from tp_engine.model_config import ModelConfig
 from tp_engine.models import build_model
@@ -121,14 +122,15 @@ class Engine:
         kernels.use(ops)
 
     def _build_model(self) -> Qwen3ForCausalLM:
+        quant = self.model_cfg.quant
         torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
+        try:  # block-FP8: the linear weights never exist in the compute dtype (weights_on_meta)
+            with torch.device(self.device), weights_on_meta(quant is not None):
                 model = build_model(self.model_cfg)
         finally:
             torch.set_default_dtype(torch.float32)
-        if self.model_cfg.quant is not None:  # block-FP8 checkpoint: fp8 shards and their scales
-            quantize_linears(model, self.model_cfg.quant, self.cfg["advanced"]["fp8_gemm"] == "w8a8")
+        if quant is not None:  # fp8 shards and their scales, on the device
+            quantize_linears(model, quant, self.cfg["advanced"]["fp8_gemm"] == "w8a8", self.device)
         if self.cfg["load_format"] == "dummy":
             init_dummy(model, self.cfg["seed"] + self.tp.rank)
         else:

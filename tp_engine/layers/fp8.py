@@ -87,9 +87,9 @@ class ScaleLayout:
         return dequantize(weight, scale, self.scale_row.to(weight.device), self.k_shift, dtype)
 
 
-def _fp8_param(old: nn.Parameter) -> nn.Parameter:
-    """An fp8 parameter in place of `old`: same shape and loader, which now insists on fp8 tensors."""
-    new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
+def _fp8_param(old: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """An fp8 parameter on `device` in place of `old`: same shape and loader, which now insists on fp8 tensors."""
+    new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=device), requires_grad=False)
     load = old.weight_loader
     new.weight_loader = lambda param, src, shard=None: load(param, _Fp8Source(src), shard)
     new.dummy_init = _dummy_weight
@@ -111,12 +111,12 @@ class Fp8Weight:
     """The block-FP8 storage of one linear layer's weight (the layer's `quant`): it replaces the layer's
     `weight` by an fp8 one and adds `weight_scale_inv` and `scale_row` (layout above)."""
 
-    def __init__(self, layer: LinearBase, w8a8: bool) -> None:
-        device, self.dtype = layer.weight.device, layer.weight.dtype  # dtype: the activations'
+    def __init__(self, layer: LinearBase, w8a8: bool, device: torch.device | None = None) -> None:
+        device, self.dtype = device or layer.weight.device, layer.weight.dtype  # dtype: the activations'
         self.w8a8 = w8a8
         self.layout = layout = ScaleLayout(layer.row_parts(), layer.col_range())
         self.k_shift, self.row_align = layout.k_shift, layout.row_align
-        layer.weight = _fp8_param(layer.weight)
+        layer.weight = _fp8_param(layer.weight, device)
         layer.weight_scale_inv = layout.empty(device=device)
         layer.weight_scale_inv.weight_loader = lambda param, src, shard=None: layout.load(param.data, src, shard)
         layer.weight_scale_inv.dummy_init = _dummy_scale
@@ -149,14 +149,14 @@ class Fp8Experts:
     the MoE kernels dequantize them in registers (`scales`, kernels/moe.fused_moe); elsewhere they are
     dequantized once to the compute dtype."""
 
-    def __init__(self, moe: FusedMoE) -> None:
+    def __init__(self, moe: FusedMoE, device: torch.device | None = None) -> None:
         n, hidden, inter, r = moe.inter, moe.hidden, moe.full_inter, moe.tp.rank
-        self.dtype = moe.gate_up_proj.dtype
+        self.dtype, device = moe.gate_up_proj.dtype, device or moe.gate_up_proj.device
         self.layouts = {"gate_up_proj": ScaleLayout({"gate": (0, n, r * n, inter), "up": (n, n, r * n, inter)},
                                                     (0, hidden, hidden)),
                         "down_proj": ScaleLayout({"down": (0, hidden, 0, hidden)}, (r * n, n, inter))}
         for name, layout in self.layouts.items():
-            weight = _fp8_param(getattr(moe, name))
+            weight = _fp8_param(getattr(moe, name), device)
             setattr(moe, name, weight)
             scale = layout.empty(moe.num_experts, device=weight.device)
             scale.checkpoint_parts = [(rel + "_scale_inv", shard) for rel, shard in weight.checkpoint_parts]
@@ -194,15 +194,16 @@ class _Fp8Source:
         return t
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool) -> None:
-    """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage, except what
-    quantization_config's modules_to_not_convert names (checkpoint names: a fused layer is skipped when all its
-    parts are)."""
+def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool, device: torch.device | None = None) -> None:
+    """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device` (default:
+    where each weight is), except what quantization_config's modules_to_not_convert names (checkpoint names: a
+    fused layer is skipped when all its parts are). Weights built on the meta device (`weights_on_meta`) that
+    stay unquantized are then allocated on `device`."""
     packed = getattr(model, "packed_modules", {})
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
             if not quant.skips(name):
-                Fp8Experts(module)
+                Fp8Experts(module, device)
             continue
         if not isinstance(module, LinearBase):
             continue
@@ -214,7 +215,20 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool) -> None:
         if any(skipped):
             raise ValueError(f"quantization_config.modules_to_not_convert names only some of {', '.join(names)}; "
                              "they run as one matmul here and must be quantized alike")
-        Fp8Weight(module, w8a8)
+        Fp8Weight(module, w8a8, device)
+    if device is not None:
+        _materialize(model, device)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Each parameter still on the meta device: an uninitialised one on `device`, with the same attributes
+    (its loader, checkpoint names)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+                new.__dict__.update(p.__dict__)
+                module._parameters[name] = new
 
 
 def finish_loading(model: nn.Module) -> None:

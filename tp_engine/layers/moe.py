@@ -18,7 +18,7 @@ from torch import nn
 
 from tp_engine.comm import get_tp
 from tp_engine.kernels import fused_ops
-from tp_engine.layers.linear import check_shape, matmul
+from tp_engine.layers.linear import check_shape, matmul, weight_param
 
 
 class TopKRouter(nn.Module):
@@ -60,8 +60,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden, self.full_inter = num_experts, hidden, intermediate
         self.scales = None  # block scales when the experts stay in fp8 (layers/fp8.py)
         self.inter = n = intermediate // self.tp.size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
+        self.gate_up_proj = weight_param(num_experts, 2 * n, hidden)
+        self.down_proj = weight_param(num_experts, hidden, n)
         gate, up, down = names
         experts = range(num_experts)
         self.gate_up_proj.checkpoint_parts = [(f"{e}.{name}.weight", (e, part)) for e in experts
