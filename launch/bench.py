@@ -21,7 +21,8 @@ Workloads (comma-separated, or `all`):
               (p50/p99) while it prefills and its p50 otherwise (the ratio p99 / that p50): with the
               configured max_prefill_tokens and max_prefill_cost_while_decoding (`chunked`), each
               --long-costs value (`cost_N`), chunks of max_prefill_tokens alone (`tokens_only`), the whole
-              prompt in one step (`unchunked`)
+              prompt in one step (`unchunked`); with --long-spans, each cost also at each of those exchange
+              rates for deep prompt tokens in place of the model's (`cost_N_span_S`, step_budget.py)
   sampling    the throughput workload twice in one call: temperature only, then with --top-k/--top-p
               (Qwen3's recommended 20 and 0.95 when both are unset); both figures and their ratio
   n8          --n-prompts prompts (64) x --n-samples samples (8) of --n-new-tokens (512) each, against the
@@ -110,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-costs", type=lambda v: [int(c) for c in v.split(",") if c], default=[],
                    help="long_prompt: more values of max_prefill_cost_while_decoding to measure, e.g. 512,2048")
     p.add_argument("--long-decode-tokens", type=int, default=256, help="long_prompt: new tokens per decoder")
+    p.add_argument("--long-spans", type=lambda v: [float(c) for c in v.split(",") if c], default=[],
+                   help="long_prompt: attention spans to measure each cost at, in place of the model's, e.g. 1920,960")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
     # measuring only; the engine's own switches are config keys (--set advanced.all_reduce=nccl and the like)
     p.add_argument("--push-chunk", type=int, default=None, metavar="N",
@@ -570,10 +573,12 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
     warm = random_ids(random.Random(args.seed), min(args.long_len, 2048), vocab)
     run_requests(engine, [Request(0, warm, SamplingParams(max_new_tokens=4, ignore_eos=True))])
     out = {}
-    modes = [("chunked", chunk, cost)] + [(f"cost_{c}", chunk, c) for c in args.long_costs if c != cost] + \
-        [("tokens_only", chunk, 0), ("unchunked", args.long_len + args.long_decoders, 0)]
+    costs = [cost] + [c for c in args.long_costs if c != cost]
+    modes = [("chunked", chunk, cost, None)] + [(f"cost_{c}", chunk, c, None) for c in costs[1:]] + \
+        [(f"cost_{c}_span_{s:g}", chunk, c, s) for c in costs for s in args.long_spans] + \
+        [("tokens_only", chunk, 0, None), ("unchunked", args.long_len + args.long_decoders, 0, None)]
     # each mode twice, the first unmeasured: its mixed steps compile kernels for shapes the warm-up had not
-    for label, budget, bound in [m for m in modes for _ in range(2)]:
+    for label, budget, bound, span in [m for m in modes for _ in range(2)]:
         # read by the next run's scheduler, on rank 0
         engine.cfg["max_prefill_tokens"], engine.cfg["max_prefill_cost_while_decoding"] = budget, bound
         empty_prefix_cache(engine)  # every run computes the long prompt
@@ -586,7 +591,14 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
         times: dict[int, list[float]] = {r.index: [] for r in decoders}
         arrived, answered, scheds = [], [], []
         new_scheduler = engine.new_scheduler
-        engine.new_scheduler = lambda: scheds.append(new_scheduler()) or scheds[-1]
+
+        def make_scheduler():
+            sched = new_scheduler()
+            sched.span = span or sched.span  # this mode's exchange rate for deep prompt tokens
+            scheds.append(sched)
+            return sched
+
+        engine.new_scheduler = make_scheduler
 
         def on_token(r):
             now = time.perf_counter()
@@ -607,6 +619,7 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
             steady = [b - a for ts in times.values() for a, b in zip(ts, ts[1:]) if b <= t0 or a >= t1]
             gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:]) if b > t0 and a < t1]
             out[label] = {"max_prefill_tokens": budget, "max_prefill_cost_while_decoding": bound,
+                          "attention_span": scheds[0].span,
                           "long_ttft_s": round(t1 - t0, 4),
                           "decode_tpot_ms_while_prefilling": {f"p{q}": round(pct(gaps, q) * 1e3, 3) for q in (50, 99)},
                           "decode_tokens_while_prefilling": len(gaps),

@@ -189,7 +189,7 @@ def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
            "--set", "max_prefill_tokens=48", "--num-requests", "6", "--prefix-len", "40", "--suffix-min", "3",
            "--suffix-max", "9", "--shared-new-tokens", "4", "--long-len", "200", "--long-decoders", "4",
            "--prompt-len", "8", "--long-decode-tokens", "24", "--long-after", "2", "--long-costs", "16",
-           "--out", str(out)]
+           "--long-spans", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -200,5 +200,8 @@ def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
     assert long["chunked"]["max_prefill_tokens"] == 48 and long["unchunked"]["max_prefill_tokens"] == 204
     assert [long[m]["max_prefill_cost_while_decoding"] for m in ("chunked", "cost_16", "tokens_only")] == [4096, 16, 0]
     assert long["cost_16"]["decode_tokens_while_prefilling"] > long["tokens_only"]["decode_tokens_while_prefilling"]
+    # --long-spans: the same cost with deep prompt tokens priced higher, so the prompt takes more, smaller chunks
+    assert long["cost_16_span_2"]["attention_span"] == 2 and long["cost_16"]["attention_span"] > 2
+    assert long["cost_16_span_2"]["decode_tokens_while_prefilling"] > long["cost_16"]["decode_tokens_while_prefilling"]
     # chunked: the decoders keep producing tokens in the steps that compute the long prompt
     assert long["chunked"]["decode_tokens_while_prefilling"] > long["unchunked"]["decode_tokens_while_prefilling"]
