@@ -1,5 +1,7 @@
-"""The docs promise what the code does: every config key documented, the README's commands real."""
+"""The docs promise what the code does: every config key documented, the README's commands real, the CI
+scripts' arguments checked."""
 import re
+import subprocess
 from pathlib import Path
 
 from tp_engine.config import SCHEMA
@@ -22,3 +24,11 @@ def test_readme_commands_and_links():
         assert (ROOT / link).is_file(), link
     for doc in ["architecture", "configuration", "tensor-parallelism", "benchmarks", "troubleshooting"]:
         assert f"docs/{doc}.md" in text
+
+
+def test_gpu_ci_names_an_unknown_part_before_anything_runs():
+    """`.ci/gpu PART...` checks its parts first: an unknown one is named, and it exits 2 without touching a GPU
+    or installing anything."""
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), "single", "tests"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "unknown part 'tests' (single, multi, bench)" in proc.stderr, proc.stderr
