@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import torch
 import yaml
 
 from helpers import GENERATE, ROOT, free_port, make_checkpoint, run_cli
@@ -186,3 +187,21 @@ def test_dummy_weights_from_config_alone(tmp_path):
     assert [len(x["output_token_ids"]) for x in lines] == [5, 5]
     proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, nproc=1, name="auto")
     assert proc.returncode != 0 and "no *.safetensors weights" in proc.stderr
+
+
+def test_kv_pool_with_its_scratch_page_stays_within_the_byte_budget(tmp_path, monkeypatch):
+    """The pool sized from a byte budget (CPU_KV_BYTES here; the GPU's share of free memory the same way) counts
+    the scratch page the padded rows write to: all of it fits the budget, and requests get one page less."""
+    from tp_engine import LLM, engine
+    from tp_engine.kv_cache import KVCache
+
+    model = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    per_page = KVCache.bytes_per_page(cfg["num_hidden_layers"], 16, cfg["num_key_value_heads"], cfg["head_dim"],
+                                      torch.float32)
+    monkeypatch.setattr(engine, "CPU_KV_BYTES", 10 * per_page)
+    llm = LLM(model=str(model), device="cpu")
+    kv = llm.engine.kv
+    assert kv.data.numel() * kv.data.element_size() <= 10 * per_page
+    assert kv.num_pages == 9
+    llm.shutdown()

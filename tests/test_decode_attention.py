@@ -55,3 +55,63 @@ print("interpreter ok")
 @pytest.mark.filterwarnings("ignore")
 def test_decode_attention_matches_float64_in_interpreter(tmp_path):
     run_script(SCRIPT, tmp_path)
+
+
+
+QK_SCRIPT = r"""
+import torch
+import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
+from gpu_helpers import paged_attention_reference
+
+from tp_engine.kernels import decode_attention as da
+from tp_engine.kernels.norm import qk_norm_rope_store
+from tp_engine.layers.norm import RMSNorm
+from tp_engine.layers.rotary import RotaryEmbedding
+
+g = torch.Generator().manual_seed(1)
+bf = torch.bfloat16
+for heads, kvh, page, lens in ((4, 2, 16, [1, 17, 40]), (8, 1, 4, [100, 3]), (4, 4, 4, [9, 33])):
+    d = 64
+    counts = [-(-n // page) for n in lens]
+    perm = torch.randperm(len(lens) * 30 + 2, generator=g)
+    pages, at = [], 0
+    for c in counts:
+        pages.append(perm[at:at + c].tolist())
+        at += c
+    cache = torch.randn(len(perm), 2, page, kvh, d, generator=g).to(bf)
+    positions = torch.tensor(lens) - 1  # each request's new token is its last
+    slots = torch.tensor([p[-1] * page + (n - 1) % page for p, n in zip(pages, lens)])
+    k_rows = slots + slots // page * page  # rows of the cache viewed as [pages * 2 * page, kv_heads, d]
+    qkv = (torch.randn(len(lens), (heads + 2 * kvh) * d, generator=g) * 3).to(bf)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    q_norm.weight.data = (torch.rand(d, generator=g) + 0.5).to(bf)
+    k_norm.weight.data = (torch.rand(d, generator=g) + 0.5).to(bf)
+    rope = RotaryEmbedding(d, 256, 10000.0)
+
+    # the torch layers (layers/norm.py, layers/rotary.py) and an index_put of K and V
+    qt, kt, vt = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    qt, kt = rope(positions, q_norm.norm(qt.reshape(-1, heads, d)), k_norm.norm(kt.reshape(-1, kvh, d)))
+    want_cache = cache.clone()
+    rows = want_cache.view(-1, kvh, d)
+    rows[k_rows], rows[k_rows + page] = kt, vt.reshape(-1, kvh, d)
+
+    q = qk_norm_rope_store(qkv, q_norm.weight, k_norm.weight, 1e-6, rope.cos, rope.sin, positions, k_rows, cache,
+                           heads, kvh, d, page)
+    assert torch.equal(q, qt), (heads, kvh, "Q differs from the torch layers'")
+    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16)), (heads, kvh, "K/V differ")
+    ids = torch.tensor(sum(pages, []), dtype=torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([n - (c - 1) * page for n, c in zip(lens, counts)], dtype=torch.int32)
+    dec = da.PagedDecode(indptr, last, ids, heads, kvh, d, page, splits=3, block_t=32, min_chunk=32)
+    err = (dec.run(q, cache).double() - paged_attention_reference(qt, want_cache, pages, lens)).abs().max().item()
+    assert err < 2e-2, (heads, kvh, page, lens, err)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_qk_norm_rope_store_equals_the_torch_layers_in_interpreter(tmp_path):
+    """The graphs' decode path before attention: `qk_norm_rope_store` gives the Q and writes the K/V of the torch
+    layers bit for bit (RMSNorm, RoPE, an index_put into the page), and the decode kernel then attends as
+    float64 attention over what the torch layers computed."""
+    run_script(QK_SCRIPT, tmp_path)

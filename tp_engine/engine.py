@@ -146,10 +146,12 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
-            n = int(free * kvc["gpu_memory_utilization"]) // per_page
+            budget, most = int(free * kvc["gpu_memory_utilization"]), None
         else:
-            most = self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
-            n = min(CPU_KV_BYTES // per_page, most)
+            budget, most = CPU_KV_BYTES, self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
+        # the pool holds one page more than requests can use (KVCache.scratch_page), within the budget too
+        n = budget // per_page - 1
+        n = n if most is None else min(n, most)
         n = comm.all_reduce_min(n, self.tp)  # every rank must have the same pool
         if self.tp.is_first:
             log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
