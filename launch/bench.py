@@ -745,7 +745,8 @@ def bench_hf(args, cfg: dict, ckpt: str | None, workloads: set[str], res: dict, 
 
 def set_measuring_knobs(args) -> dict:
     """The module constants behind the measuring-only flags, set before the engine is built."""
-    from tp_engine import cuda_graph, kernels
+    from tp_engine import kernels
+    from tp_engine.kernels import decode_attention
     from tp_engine.attention import flashinfer_backend
     from tp_engine.comm import push_all_reduce
 
@@ -755,10 +756,10 @@ def set_measuring_knobs(args) -> dict:
     flashinfer_backend.SPLIT_KV = not args.no_split_kv
     kernels.PDL = not args.no_pdl
     if args.no_decode_kernel:
-        cuda_graph.KERNEL_MAX_CONTEXT = 0
+        decode_attention.MAX_CONTEXT = 0
     return {"push_chunk": push_all_reduce.PUSH_NORM_CHUNK, "fast_plan": flashinfer_backend.FAST_PLAN,
             "split_kv": flashinfer_backend.SPLIT_KV, "pdl": kernels.PDL,
-            "decode_kernel_max_context": cuda_graph.KERNEL_MAX_CONTEXT}
+            "decode_kernel_max_context": decode_attention.MAX_CONTEXT}
 
 
 def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict, fp8: bool) -> None:

@@ -166,16 +166,16 @@ def test_fused_kernels_match_torch():
 def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
     """With flashinfer's decode in the graphs, batch sizes equal to a captured size run the same kernels on the
     same shapes as eager decode: equal token for token. Padded batches (5 -> 8, 3 -> 4) run other matmul
-    shapes, and the decode kernel of kernels/decode_attention.py (the graphs' attention up to
-    KERNEL_MAX_CONTEXT tokens) sums in another order: these agree with eager decode up to near ties, also
+    shapes, and the decode kernel of kernels/decode_attention.py (the graphs' attention up to its MAX_CONTEXT
+    tokens) sums in another order: these agree with eager decode up to near ties, also
     when a run switches from the kernel to flashinfer as its requests grow past the bound."""
     needs_flashinfer()
-    from tp_engine import cuda_graph
+    from tp_engine.kernels import decode_attention
     four, one = PROMPTS[:4], PROMPTS[4:]
     results = {}
     for name, graphs, bound in (("flashinfer", True, 0), ("kernel", True, 10 ** 6), ("switching", True, 24),
                                 ("eager", False, 0)):
-        monkeypatch.setattr(cuda_graph, "KERNEL_MAX_CONTEXT", bound)
+        monkeypatch.setattr(decode_attention, "MAX_CONTEXT", bound)
         m = llm(tiny_ckpt, cuda_graph=graphs)
         assert (m.engine.graphs is not None) == graphs
         replays = []

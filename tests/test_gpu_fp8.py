@@ -162,13 +162,13 @@ def test_fp8_graph_decode_equals_eager_and_follows_bf16(ckpts, gemm, monkeypatch
     the same tokens (batch sizes that are captured sizes). On this peaked model the FP8 weights (and w8a8's
     fp8 activations) leave the greedy tokens of the bf16 model as they are, up to rare near ties."""
     needs_flashinfer()
-    from tp_engine import cuda_graph
-    bound = cuda_graph.KERNEL_MAX_CONTEXT
+    from tp_engine.kernels import decode_attention
+    bound = decode_attention.MAX_CONTEXT
     four, one = PARITY_PROMPTS[:4], PARITY_PROMPTS[4:5]
     runs = {}
     for name, path, graphs in (("graph", ckpts["fp8"], True), ("eager", ckpts["fp8"], False),
                                ("bf16", ckpts["bf16"], True)):
-        monkeypatch.setattr(cuda_graph, "KERNEL_MAX_CONTEXT", 0 if name == "graph" else bound)
+        monkeypatch.setattr(decode_attention, "MAX_CONTEXT", 0 if name == "graph" else bound)
         m = llm(path, cuda_graph=graphs, advanced={"fp8_gemm": gemm})
         assert (m.engine.graphs is not None) == graphs
         runs[name] = generate(m, four) + generate(m, one, max_new_tokens=30)

@@ -132,8 +132,8 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref, monkeypatch):
     shapes with and without graphs (flashinfer's attention in the graphs too): equal token for token. A padded
     batch (5 -> 8) must agree up to near ties."""
     needs_flashinfer()
-    from tp_engine import cuda_graph
-    monkeypatch.setattr(cuda_graph, "KERNEL_MAX_CONTEXT", 0)
+    from tp_engine.kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "MAX_CONTEXT", 0)
     eight = PROMPTS + [[3, 1, 4], [1000] * 9, list(range(7, 70, 3))]
     results = {}
     for graphs in (True, False):
@@ -194,8 +194,8 @@ def test_fp8_moe_checkpoint_keeps_fp8_experts(moe_ckpt, tmp_path_factory, monkey
     flashinfer's attention, as eager decode) equals eager; the greedy tokens follow the bf16 model's (peaked
     logits: FP8 rounding rarely moves them)."""
     needs_flashinfer()
-    from tp_engine import cuda_graph
-    bound = cuda_graph.KERNEL_MAX_CONTEXT
+    from tp_engine.kernels import decode_attention
+    bound = decode_attention.MAX_CONTEXT
     sys.path.insert(0, str(REPO / "launch"))
     from quantize_fp8 import quantize_checkpoint
     from tp_engine.layers import FusedMoE
@@ -204,7 +204,7 @@ def test_fp8_moe_checkpoint_keeps_fp8_experts(moe_ckpt, tmp_path_factory, monkey
     quantize_checkpoint(moe_ckpt, str(fp8_dir))
     runs = {}
     for name, path, graphs in (("graph", str(fp8_dir), True), ("eager", str(fp8_dir), False), ("bf16", moe_ckpt, True)):
-        monkeypatch.setattr(cuda_graph, "KERNEL_MAX_CONTEXT", 0 if name == "graph" else bound)
+        monkeypatch.setattr(decode_attention, "MAX_CONTEXT", 0 if name == "graph" else bound)
         m = llm(path, cuda_graph=graphs)
         experts = [mod for mod in m.engine.model.modules() if isinstance(mod, FusedMoE)]
         assert experts and all((e.gate_up_proj.dtype == torch.float8_e4m3fn) == (name != "bf16") for e in experts)

@@ -38,15 +38,17 @@ def test_chunked_prompts_through_graph_pieces_follow_transformers(tiny_ckpt, hf_
 def test_graph_pieces_compute_the_eager_step_and_write_only_its_slots(tiny_ckpt):
     """One mixed step of 38 tokens (a decode row, then two prompt chunks over cached context), padded to 64 in
     the pieces: its logits and the K/V it writes agree with the eager step's, and no other slot of the cache
-    changes (the 26 padded rows write the scratch page only)."""
+    changes (the 26 padded rows write the scratch page only). In the pieces the decode row attends through the
+    decode kernel inside the graphs, eagerly through flashinfer; a prompt-only step then empties the pieces'
+    table of decode rows."""
     needs_flashinfer()
     m = llm(tiny_ckpt, cuda_graph_max_tokens=256, kv_cache={"num_pages": 32, "page_size": 16})
     e = m.engine
     torch.manual_seed(0)
     e.kv.data.normal_()  # context the step attends over, and slots a stray write would change
     before = e.kv.data.clone()
-    results = {}
-    for pieces in (e.pieces, None):
+    results, pieces_runner = {}, e.pieces
+    for pieces in (pieces_runner, None):
         e.kv.data.copy_(before)
         e.pieces = pieces
         batch = step_batch(True, [10, 20, 37], [1, 20, 17], [[1], [2, 3], [4, 5, 6]], 16, DEV)
@@ -54,6 +56,7 @@ def test_graph_pieces_compute_the_eager_step_and_write_only_its_slots(tiny_ckpt)
         steps = getattr(pieces, "steps", 0)
         logits = e.forward(batch)
         assert pieces is None or pieces.steps == steps + 1
+        assert (batch.plan["flashinfer"].decode_table is not None) == (pieces is not None)
         results[pieces is None] = (logits.clone(), e.kv.data.clone())
     (lg, kg), (le, ke) = results[False], results[True]
     bound = max(NEAR_TIE_ABS, NEAR_TIE_REL * le.abs().max().item())
@@ -68,6 +71,12 @@ def test_graph_pieces_compute_the_eager_step_and_write_only_its_slots(tiny_ckpt)
     new_g, new_e = kg[:, loc // 16, :, loc % 16].float(), ke[:, loc // 16, :, loc % 16].float()
     assert (new_g - new_e).abs().max().item() < 0.05 * new_e.abs().max().item()
     assert not torch.equal(new_g, before[:, loc // 16, :, loc % 16].float())  # the step did write its K/V
+    e.pieces = pieces_runner
+    D = pieces_runner.decode_rows
+    assert pieces_runner._decoding and pieces_runner.decode_table[1].item() > 0  # the decode row's pages
+    e.forward(step_batch(True, [20], [20], [[2, 3]], 16, DEV))  # no decode rows
+    table = pieces_runner.decode_table
+    assert not pieces_runner._decoding and not table[:D + 1].any() and (table[D + 1:2 * D + 1] == 16).all()
 
 
 def test_planning_a_step_does_not_wait_for_the_gpu():

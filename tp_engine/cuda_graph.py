@@ -10,8 +10,7 @@ Each bucket has its own flashinfer decode wrapper (use_cuda_graph=True) whose pa
 views of one static buffer shared by all buckets; `run` copies the step's page table into it (one copy),
 re-plans the wrapper and replays. With the fused kernels, each bucket has a second graph whose attention
 is the decode kernel of kernels/decode_attention.py over the same buffers (no plan): a step whose requests
-all hold at most KERNEL_MAX_CONTEXT tokens replays that one. At batch 1-16 on an H200 the kernel took
-43-63% of flashinfer's time at 128 tokens, 67-87% at 512, 86-100% at 1,024; beyond, flashinfer's is faster.
+all hold at most `decode_attention.MAX_CONTEXT` tokens (where the kernel is the faster) replays that one.
 
 Capture uses capture_error_mode="thread_local": the default mode hangs with NCCL on the machines this was
 measured on.
@@ -27,10 +26,10 @@ import torch
 from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
+from tp_engine.kernels import decode_attention
 from tp_engine.kv_cache import page_table, pages_for
 
 log = logging.getLogger("tp_engine")
-KERNEL_MAX_CONTEXT = 1024  # tokens
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -189,7 +188,7 @@ class GraphRunner:
         b = batch.size
         bs = self._bucket(b)
         indptr, kv_lens, n = self._load(bs, batch)
-        key = bs, (bs, True) in self.graphs and max(batch.seq_lens) <= KERNEL_MAX_CONTEXT
+        key = bs, (bs, True) in self.graphs and max(batch.seq_lens) <= decode_attention.MAX_CONTEXT
         self._plan(bs, indptr, kv_lens, n, key[1])
         self.graphs[key].replay()
         return self.outputs[key][:b] if self.tp.is_first else None

@@ -175,9 +175,10 @@ class Engine:
         lead = batch.decode_rows  # the references to the previous step's tokens are in these rows
         if lead:
             self.resolve(batch.input_ids[:lead])  # in place
-        self.attn.prepare(batch)
         if self.pieces is not None and self.pieces.can_run(batch):
+            self.attn.prepare(batch, self.pieces.decode_rows)  # short decode rows attend inside the pieces
             return self.pieces.run(batch)
+        self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
 

@@ -9,7 +9,11 @@ T the model body is captured as L + 1 graphs, cut at each layer's attention.
 
 A step of N <= T tokens copies its ids, positions and KV slots into static buffers, replays piece 0, attends
 eagerly over the first N rows (flashinfer, planned for this step by `prepare` as usual), replays piece 1, and
-so on; the LM head then runs eagerly on the real rows. Rows N..T-1 are padding: they keep stale ids and
+so on; the LM head then runs eagerly on the real rows. With the fused kernels each piece ends with the decode
+kernel of kernels/decode_attention.py over the step's decode rows (a mixed step's leading one-token rows, when
+they hold at most its MAX_CONTEXT tokens), whose page table the step copies into a static buffer (rows beyond
+them are given no tokens): only the prompt rows then attend eagerly, and the decode rows cost the host no
+flashinfer plan and no launch per layer. Rows N..T-1 are padding: they keep stale ids and
 positions and write their K/V into the scratch page only. They never mix with real rows, since every op in
 the pieces works row by row (the expert routing too).
 
@@ -20,10 +24,12 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
+from tp_engine.kernels import decode_attention
 
 log = logging.getLogger("tp_engine")
 
@@ -72,6 +78,15 @@ class PiecewiseGraphs:
         self.q = torch.zeros(M, a.num_heads, a.head_dim, dtype=engine.dtype, device=dev)  # a piece's last output
         self.o = torch.zeros_like(self.q)  # attention's output, the next piece's first input
         self.hidden = torch.zeros(M, engine.model_cfg.hidden_size, dtype=engine.dtype, device=dev)
+        # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]; D rows at most
+        self.decode_rows = min(M, engine.cfg["max_batch_size"]) if a.ops is not None else 0
+        D, S = self.decode_rows, self.kv.page_size
+        self.decode_table = torch.zeros(2 * D + 1 + self.kv.num_pages, dtype=torch.int32, device=dev)
+        self.decode_table[D + 1:2 * D + 1] = S  # no pages, S tokens in the last: no tokens
+        self.decoder = None if not D else decode_attention.PagedDecode(
+            self.decode_table[:D + 1], self.decode_table[D + 1:2 * D + 1], self.decode_table[2 * D + 1:],
+            a.num_heads, a.num_kv_heads, a.head_dim, S)
+        self._decoding = False  # whether the table holds rows now
         self._last = torch.zeros(1, dtype=torch.int64, device=dev)  # the LM head is not in the pieces
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.cuts: list[int] = []  # the layer of each cut, in order
@@ -116,9 +131,11 @@ class PiecewiseGraphs:
 
     def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
         """At capture: Q/K norm, RoPE and the K/V write end the piece; the next starts from attention's output."""
-        T = qkv.shape[0]
-        self.attn.store_qkv(qkv, attn, kv_cache.layer(layer), batch.positions, batch.plan["flashinfer"].k_rows,
-                            out=self.q[:T])
+        T, D = qkv.shape[0], self.decode_rows
+        cache = kv_cache.layer(layer)
+        self.attn.store_qkv(qkv, attn, cache, batch.positions, batch.plan["flashinfer"].k_rows, out=self.q[:T])
+        if self.decoder is not None:  # writes the rows the table holds, none during capture
+            self.decoder.run(self.q[:D], cache, self.o[:D])
         if self._capturing is not None:
             self._capturing[-1].capture_end()
             self.cuts.append(layer)
@@ -129,6 +146,19 @@ class PiecewiseGraphs:
 
     def can_run(self, batch: Batch) -> bool:
         return len(batch.input_ids) <= self.buckets[-1]
+
+    def _load_decode_rows(self, table: tuple | None) -> None:
+        """The decode rows' page table into the static one (one copy from pinned memory); None: no rows."""
+        D, S = self.decode_rows, self.kv.page_size
+        indptr, last, ids = table if table is not None else (np.zeros(1, np.int32), np.zeros(0, np.int32),
+                                                             np.zeros(0, np.int32))
+        d = len(last)
+        host = np.empty(2 * D + 1 + len(ids), dtype=np.int32)
+        host[:d + 1], host[d + 1:D + 1] = indptr, indptr[-1]
+        host[D + 1:D + 1 + d], host[D + 1 + d:2 * D + 1] = last, S
+        host[2 * D + 1:] = ids
+        self.decode_table[:len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self._decoding = table is not None
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | None:
@@ -141,6 +171,8 @@ class PiecewiseGraphs:
         self.out_loc[:N].copy_(batch.out_loc)
         self.out_loc[N:T].fill_(self.pad_loc)
         plan, pieces = batch.plan["flashinfer"], self.pieces[T]
+        if plan.decode_table is not None or self._decoding:
+            self._load_decode_rows(plan.decode_table)
         for layer, piece in zip(self.cuts, pieces):
             piece.replay()
             self.attn.attend(plan, self.q[:N], self.kv.layer(layer), self.o[:N])

@@ -1,7 +1,8 @@
 """flashinfer attention over the paged KV cache (CUDA only).
 
 Eager steps: `BatchPrefillWithPagedKVCacheWrapper` (ragged queries over paged K/V, causal), one for a
-step's one-token rows and one for its prompt rows. CUDA-graph decode (cuda_graph.py):
+step's one-token rows and one for its prompt rows (a mixed step in CUDA-graph pieces may attend its
+one-token rows inside the pieces instead: piecewise_graph.py). CUDA-graph decode (cuda_graph.py):
 `BatchDecodeWithPagedKVCacheWrapper` with tensor cores. All run the FA2 kernels of one JIT-compiled module.
 
 `prepare(batch)` plans once per step (all layers share the plan); `forward` writes K/V into the pages
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from tp_engine.context import Batch
+from tp_engine.kernels import decode_attention
 from tp_engine.kv_cache import page_table
 
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
@@ -30,7 +32,10 @@ class StepPlan:
     wrapper: object  # the planned flashinfer wrapper this step runs (over its prompt rows, in a mixed step)
     k_rows: torch.Tensor  # [N] int64: row of each new token's K in the layer cache viewed as [rows, kv_heads, d]
     v_rows: torch.Tensor  # [N] int64: the same for V (k_rows + page_size)
-    decode_rows: int = 0  # a mixed step: its first rows, of one token each, attend through the decode wrapper
+    decode_rows: int = 0  # a mixed step: its first rows, of one token each, attend apart from its prompt rows,
+    # through the decode wrapper, or inside the CUDA-graph pieces (piecewise_graph.py) when this holds their page
+    # table (indptr, last page lengths, page ids)
+    decode_table: tuple | None = None
 
 
 def slot_rows(out_loc: torch.Tensor, page_size: int, k_rows: torch.Tensor | None = None,
@@ -87,14 +92,18 @@ class FlashInferBackend:
 
     # ---- planning, once per step ----
 
-    def prepare(self, batch: Batch) -> None:
+    def prepare(self, batch: Batch, graph_decode_rows: int = 0) -> None:
+        """graph_decode_rows: the most decode rows of a mixed step the caller's CUDA-graph pieces attend
+        themselves (piecewise_graph.py), with the decode kernel, when their contexts are short."""
         kv_indptr, indices, last_len = page_table(batch, self.page_size)
         lens, seq = batch.extend_lens, np.asarray(batch.seq_lens, dtype=np.int32)
         # A mixed step's leading rows of one token attend like decode rows. Planned together with the prompt
         # rows, they would shrink the query tile flashinfer picks for all rows (from the average query
         # length), and a long prompt's chunk would re-read its whole context once per 16 queries.
-        d = batch.decode_rows
-        if d:
+        d, table = batch.decode_rows, None
+        if 0 < d < len(lens) and d <= graph_decode_rows and int(seq[:d].max()) <= decode_attention.MAX_CONTEXT:
+            table = kv_indptr[:d + 1], last_len[:d], indices[:kv_indptr[d]]  # no plan, no launch per layer
+        elif d:
             self._plan(self.decode_rows_wrapper, np.arange(d + 1, dtype=np.int32), kv_indptr[:d + 1],
                        indices[:kv_indptr[d]], last_len[:d], seq[:d])
         wrapper = self.decode_rows_wrapper
@@ -106,7 +115,8 @@ class FlashInferBackend:
             self._plan(wrapper, qo_indptr, kv_indptr[d:] - kv_indptr[d], indices[kv_indptr[d]:], last_len[d:],
                        seq[d:])
         k_rows, v_rows = slot_rows(batch.out_loc, self.page_size)
-        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows, d if wrapper is self.prefill_wrapper else 0)
+        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows, d if wrapper is self.prefill_wrapper else 0,
+                                            table)
 
     def _plan(self, wrapper, qo_indptr: np.ndarray, kv_indptr: np.ndarray, indices: np.ndarray,
               last_len: np.ndarray, seq_lens: np.ndarray) -> None:
@@ -132,9 +142,8 @@ class FlashInferBackend:
         without the fused kernels. A step runs it or the wrapper (see cuda_graph.py)."""
         if self.ops is None:
             return None
-        from tp_engine.kernels.decode_attention import PagedDecode
-        return PagedDecode(indptr_buf, last_buf, indices_buf, self.num_heads, self.num_kv_heads, self.head_dim,
-                           self.page_size)
+        return decode_attention.PagedDecode(indptr_buf, last_buf, indices_buf, self.num_heads, self.num_kv_heads,
+                                            self.head_dim, self.page_size)
 
     def plan_graph_decode(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor,
                           indices_dev: torch.Tensor) -> None:
@@ -213,7 +222,7 @@ class FlashInferBackend:
     def attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Attention of the planned step's queries q [N, heads, d] over the layer's cache, into `out`."""
         d = plan.decode_rows
-        if d:  # the runs share the float workspace: one after the other on the stream
+        if d and plan.decode_table is None:  # the runs share the float workspace: one after the other
             self.decode_rows_wrapper.run(q[:d], cache, out=out[:d])
         plan.wrapper.run(q[d:], cache, out=out[d:])
         return out
