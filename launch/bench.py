@@ -123,7 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-split-kv", action="store_true", help="CUDA-graph decode without flashinfer's KV split")
     p.add_argument("--no-pdl", action="store_true", help="the Triton kernels without programmatic dependent launch")
     p.add_argument("--no-decode-kernel", action="store_true",
-                   help="CUDA-graph decode always with flashinfer's attention (not the decode kernel on short contexts)")
+                   help="flashinfer's attention for every decode row: in CUDA-graph decode and in mixed steps' graph "
+                        "pieces (not the decode kernel on short contexts)")
     p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
     p.add_argument("--out", help="also write the JSON line to this file")
     return p.parse_args(argv)
