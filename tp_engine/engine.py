@@ -176,7 +176,7 @@ class Engine:
         if lead:
             self.resolve(batch.input_ids[:lead])  # in place
         if self.pieces is not None and self.pieces.can_run(batch):
-            self.attn.prepare(batch, self.pieces.decode_rows)  # short decode rows attend inside the pieces
+            self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
             return self.pieces.run(batch)
         self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):

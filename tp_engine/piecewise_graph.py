@@ -30,6 +30,7 @@ import torch
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
 from tp_engine.kernels import decode_attention
+from tp_engine.kv_cache import pages_for
 
 log = logging.getLogger("tp_engine")
 
@@ -78,10 +79,13 @@ class PiecewiseGraphs:
         self.q = torch.zeros(M, a.num_heads, a.head_dim, dtype=engine.dtype, device=dev)  # a piece's last output
         self.o = torch.zeros_like(self.q)  # attention's output, the next piece's first input
         self.hidden = torch.zeros(M, engine.model_cfg.hidden_size, dtype=engine.dtype, device=dev)
-        # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]; D rows at most
+        # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]: D rows at most, each
+        # with the pages of a context the decode kernel takes (a page shared by several rows is listed for each)
         self.decode_rows = min(M, engine.cfg["max_batch_size"]) if a.ops is not None else 0
         D, S = self.decode_rows, self.kv.page_size
-        self.decode_table = torch.zeros(2 * D + 1 + self.kv.num_pages, dtype=torch.int32, device=dev)
+        most = D * pages_for(min(decode_attention.MAX_CONTEXT, engine.max_request_len), S)
+        self.decode_capacity = D, most  # what attn.prepare may put in it
+        self.decode_table = torch.zeros(2 * D + 1 + most, dtype=torch.int32, device=dev)
         self.decode_table[D + 1:2 * D + 1] = S  # no pages, S tokens in the last: no tokens
         self.decoder = None if not D else decode_attention.PagedDecode(
             self.decode_table[:D + 1], self.decode_table[D + 1:2 * D + 1], self.decode_table[2 * D + 1:],

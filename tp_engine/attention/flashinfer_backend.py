@@ -92,16 +92,19 @@ class FlashInferBackend:
 
     # ---- planning, once per step ----
 
-    def prepare(self, batch: Batch, graph_decode_rows: int = 0) -> None:
-        """graph_decode_rows: the most decode rows of a mixed step the caller's CUDA-graph pieces attend
-        themselves (piecewise_graph.py), with the decode kernel, when their contexts are short."""
+    def prepare(self, batch: Batch, graph_decode: tuple[int, int] = (0, 0)) -> None:
+        """graph_decode: the most decode rows, and page ids listed for them, of a mixed step that the caller's
+        CUDA-graph pieces attend themselves (piecewise_graph.py) with the decode kernel, when their contexts
+        are short."""
         kv_indptr, indices, last_len = page_table(batch, self.page_size)
         lens, seq = batch.extend_lens, np.asarray(batch.seq_lens, dtype=np.int32)
         # A mixed step's leading rows of one token attend like decode rows. Planned together with the prompt
         # rows, they would shrink the query tile flashinfer picks for all rows (from the average query
         # length), and a long prompt's chunk would re-read its whole context once per 16 queries.
         d, table = batch.decode_rows, None
-        if 0 < d < len(lens) and d <= graph_decode_rows and int(seq[:d].max()) <= decode_attention.MAX_CONTEXT:
+        rows, pages = graph_decode
+        if 0 < d < len(lens) and d <= rows and kv_indptr[d] <= pages \
+                and int(seq[:d].max()) <= decode_attention.MAX_CONTEXT:
             table = kv_indptr[:d + 1], last_len[:d], indices[:kv_indptr[d]]  # no plan, no launch per layer
         elif d:
             self._plan(self.decode_rows_wrapper, np.arange(d + 1, dtype=np.int32), kv_indptr[:d + 1],
