@@ -16,8 +16,8 @@ where torch would), so swapping one for the other changes results only through t
   `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
 - kernels/fp8.py (with kernels/fp8_gemm.py): `fp8_linear`, the matmul with block-FP8 weights (layers/fp8.py):
   a GEMV at one token, GEMMs for more, chosen per weight shape by timing.
-- kernels/decode_attention.py: `PagedDecode`, attention of one-token queries over the paged KV cache, the
-  CUDA-graph decode path's on short contexts (cuda_graph.py).
+- kernels/decode_attention.py: `PagedDecode`, attention of one-token queries over the paged KV cache inside
+  CUDA graphs on short contexts (cuda_graph.py, and mixed steps' decode rows in piecewise_graph.py).
 
 The push all-reduce (comm/push_all_reduce.py) is built on the helpers here too. This module holds the
 registry the model asks for them (`fused_ops`), their start-up check (`self_test`) and the Triton helpers

@@ -1,7 +1,9 @@
-"""Decode attention over the paged KV cache for CUDA-graph decode at small batch: one kernel, no plan.
+"""Decode attention over the paged KV cache inside CUDA graphs, on short contexts: one kernel, no plan. It runs
+in the decode graphs (cuda_graph.py) and for the decode rows of mixed steps in the graph pieces
+(piecewise_graph.py).
 
-Each request's query (one token, all heads) attends over its pages, read through the page table the graph
-runner fills before each replay ([indptr | last page lengths | page ids], flashinfer's layout). A program
+Each request's query (one token, all heads) attends over its pages, read through the page table its caller
+fills before each replay ([indptr | last page lengths | page ids], flashinfer's layout). A program
 takes one (request, KV head, split): the G query heads of that KV head against one chunk of the request's
 tokens. The chunk length follows the request's length at run time (the grid is fixed in the graph), so a
 short request runs in one program and a long one spreads over up to `splits` programs; when it took more
