@@ -192,14 +192,14 @@ def test_dummy_weights_from_config_alone(tmp_path):
 def test_kv_pool_with_its_scratch_page_stays_within_the_byte_budget(tmp_path, monkeypatch):
     """The pool sized from a byte budget (CPU_KV_BYTES here; the GPU's share of free memory the same way) counts
     the scratch page the padded rows write to: all of it fits the budget, and requests get one page less."""
-    from tp_engine import LLM, engine
+    from tp_engine import LLM, kv_cache
     from tp_engine.kv_cache import KVCache
 
     model = make_checkpoint(tmp_path / "m")
     cfg = json.loads((model / "config.json").read_text())
     per_page = KVCache.bytes_per_page(cfg["num_hidden_layers"], 16, cfg["num_key_value_heads"], cfg["head_dim"],
                                       torch.float32)
-    monkeypatch.setattr(engine, "CPU_KV_BYTES", 10 * per_page)
+    monkeypatch.setattr(kv_cache, "CPU_KV_BYTES", 10 * per_page)
     llm = LLM(model=str(model), device="cpu")
     kv = llm.engine.kv
     assert kv.data.numel() * kv.data.element_size() <= 10 * per_page

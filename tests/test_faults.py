@@ -401,3 +401,30 @@ def test_ranks_with_different_configs_are_detected(ckpt, tmp_path):
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert all(p.returncode != 0 for p in procs)
     assert "different configurations" in errs[0]
+
+
+SLOW_PREFLIGHT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import cli
+def slow(self, device):
+    time.sleep(60)  # rank 0 encoding a huge prompts_file
+cli.Preflight.__call__ = slow
+sys.exit(cli.main())
+"""
+
+
+def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_PREFLIGHT.format(root=str(ROOT)))
+    proc = start_job(base(ckpt, device="cpu", timeout_s=2), tmp_path, script=script)
+    try:
+        _, err = proc.communicate(timeout=50)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "error: rank 1: not every rank reported at start-up within timeout_s" in err, err[-3000:]
+    assert "(Timed out waiting 2000ms for send operation to complete)" in err
+    assert "a very large prompts_file needs a larger timeout_s" in err
+    assert not re.search(r'File ".*(tp_engine|launch)/', err) and "C++" not in err, err[-3000:]

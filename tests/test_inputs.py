@@ -1,6 +1,7 @@
 """Inputs read defensively, and the Python API as strict as the config: UTF-8 and JSONL lines, config.json
 field types, SamplingParams by the config's own rules, generate() with one prompt. In-process: no torchrun."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,111 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
     with pytest.raises(TypeError):
         llm.generate(5)
     llm.shutdown()
+
+
+# ---- mistakes in the config's structure, and values no run can use ----
+
+def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
+    conf = tmp_path / "run.yaml"  # PyYAML alone keeps the second section: temperature 0.7 would be lost unsaid
+    conf.write_text(f"model: {DEMO}\nsampling:\n  temperature: 0.7\nprompts: [hi]\nsampling:\n  max_new_tokens: 4\n")
+    code, err = cli(capsys, "--config", str(conf), "--print-config")
+    assert code == 2 and "key 'sampling' is given twice (lines 2 and 5)" in err, err
+
+
+SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
+    "section_as_mapping": (["sampling={temperature: 0.5, top_k: 3}"], ("sampling", {"temperature": 0.5, "top_k": 3})),
+    "pool_as_mapping": (["kv_cache={num_pages: 4}"], ("kv_cache", {"num_pages": 4})),
+    "entry_of_a_mapping_key": (["chat_template_kwargs={a: 1}", "chat_template_kwargs.enable_thinking=false"],
+                               ("chat_template_kwargs", {"a": 1, "enable_thinking": False})),
+    "exponent_without_a_point": (["sampling.temperature=1e-3"], ("sampling", {"temperature": 0.001})),
+    "home_folder": (["output=~/runs/out.jsonl"], ("output", str(Path.home() / "runs" / "out.jsonl"))),
+    "section_as_number": (["kv_cache=4"], "config key 'kv_cache' must be a mapping of its keys (such as "
+                                          "'kv_cache.page_size'); got 4"),
+    "endless_timeout": (["timeout_s=99999999999"], "config key 'timeout_s' must be between 1 and 2592000"),
+    "infinite_temperature": (["sampling.temperature=.inf"], "config key 'sampling.temperature' must be a finite"),
+    "template_argument_of_the_engine": (["chat_template_kwargs={add_generation_prompt: false}"],
+                                        "cannot set add_generation_prompt: the engine passes those itself"),
+    "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
+}
+
+
+@pytest.mark.parametrize("case", list(SECTION_CASES))
+def test_config_structure_and_ranges(case):
+    overrides, expected = SECTION_CASES[case]
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError) as err:
+            build_config(model=str(DEMO), overrides=overrides)
+        assert expected in str(err.value), str(err.value)
+        return
+    key, value = expected
+    cfg = build_config(model=str(DEMO), overrides=overrides)
+    assert cfg[key] == ({**cfg[key], **value} if isinstance(value, dict) else value)
+    if key == "kv_cache":
+        assert cfg[key]["page_size"] == 16  # the section's other keys keep their defaults
+
+
+def test_a_section_left_empty_keeps_its_defaults(tmp_path):
+    conf = tmp_path / "run.yaml"
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\nsampling:\n  # temperature: 0.7\n")
+    assert build_config(str(conf))["sampling"]["max_new_tokens"] == 64
+
+
+@pytest.mark.parametrize("prompts", ["prompts: []", "prompts_file: {pf}"])
+def test_a_run_with_no_prompts_is_refused_before_it_touches_the_output(tmp_path, capsys, prompts):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text("\n  \n")
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "from": "an earlier run"}\n')
+    conf = tmp_path / "run.yaml"
+    conf.write_text(f"model: {DEMO}\ndevice: cpu\noutput: {out}\n{prompts.format(pf=pf)}\n")
+    code, err = cli(capsys, "--config", str(conf))
+    assert code == 2 and "nothing to generate" in err, err
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+
+
+def test_results_file_is_left_alone_when_a_run_has_no_result(tmp_path):
+    from tp_engine.results import ResultSink
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "from": "an earlier run"}\n')
+    ResultSink(out, str(out), {"model": "m"}).close()
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+    assert not (tmp_path / "out.jsonl.run.json").exists()
+
+
+def test_output_under_a_file_names_the_output(tmp_path):
+    from tp_engine.output_file import check_target
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError) as err:
+        check_target(str(tmp_path / "a_file" / "out.jsonl"), {}, str(DEMO))
+    assert str(err.value).startswith(f"output {tmp_path / 'a_file' / 'out.jsonl'}: cannot create its folder")
+
+
+def test_shard_index_with_a_list_for_weight_map_is_a_checkpoint_error(tmp_path):
+    from tp_engine.loader import CheckpointError, checkpoint_files
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["model-00001.safetensors"]}')
+    with pytest.raises(CheckpointError) as err:
+        checkpoint_files(str(tmp_path))
+    assert "is not a valid safetensors index ('weight_map' must map tensor names to file names)" in str(err.value)
+
+
+def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
+    from tp_engine.comm import StartupError
+    from tp_engine.llm import LLM
+    with pytest.raises(StartupError) as err:
+        LLM(model=str(DEMO), device="cpu", kv_cache={"page_size": 3_000_000})
+    assert "no room for the KV cache: a page of kv_cache.page_size 3000000 tokens takes" in str(err.value)
+    with pytest.raises(StartupError) as err:  # 2**50 bytes: more than any address space maps
+        LLM(model=str(DEMO), device="cpu", kv_cache={"num_pages": 2**50 // 16384, "page_size": 16})
+    assert f"cannot allocate the KV cache: {2**50 // 16384:,} pages (kv_cache.num_pages)" in str(err.value)
+
+
+def test_streamed_text_stops_before_a_stop_string():
+    import io
+    from tp_engine.progress import Streamer
+    words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: " and"}
+    out = io.StringIO()
+    streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" sister"])
+    for n in range(1, 5):
+        streamer.update([1, 2, 3, 4][:n])
+    streamer.update([1, 2, 3, 4], final=True, text="by her")  # the finished text, cut before " sister"
+    assert out.getvalue() == "by her\n"

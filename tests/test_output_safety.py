@@ -242,6 +242,8 @@ def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_pat
     assert '1 of 3 prompts ended with finish_reason "error"' in proc.stderr
     first = read_lines(out)
     assert [line["finish_reason"] for line in first] == ["length", "error", "length"]
+    summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
+    assert summary["prompt_tokens"] == len(first[0]["prompt_token_ids"]) + len(first[2]["prompt_token_ids"])
     proc, lines = run_cli({**cfg, "resume": True, "kv_cache": {"num_pages": 8, "page_size": 16}}, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line["finish_reason"] for line in lines] == ["length"] * 3

@@ -130,7 +130,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
             log.warning("stream: true prints text for a single prompt and sample only; %d prompts x %d samples given",
                         len(prompts), n)
         else:
-            streamer = Streamer(llm.decode)
+            streamer = Streamer(llm.decode, stop=cfg["sampling"]["stop"])
 
     def on_token(req) -> None:
         progress.token()
@@ -141,7 +141,8 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         sink.add(out)
         progress.finished()
         if streamer is not None:
-            streamer.update(out["output_token_ids"], final=True)
+            # the finished text is cut before a stop string; with "reasoning" apart it is the answer alone
+            streamer.update(out["output_token_ids"], final=True, text=None if "reasoning" in out else out.get("text"))
 
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token,
@@ -152,7 +153,8 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         preflight.lock.release()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
     errors = sum(o["finish_reason"] == "error" for o in outputs)
-    summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in outputs),
+    ran = [o for o in outputs if o["finish_reason"] != "error"]  # an error prompt's tokens never ran
+    summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in ran),
                "output_tokens": n_out, "cached_prompt_tokens": sum(o["cached_prompt_tokens"] for o in outputs),
                "errors": errors,
                "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}

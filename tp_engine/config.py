@@ -9,6 +9,8 @@ import difflib
 import hashlib
 import json
 import logging
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import yaml
 
 from tp_engine.generation_config import GenerationConfigError, sampling_defaults
-from tp_engine.textio import decode_utf8
+from tp_engine.textio import decode_utf8, load_yaml
 
 log = logging.getLogger("tp_engine")
 
@@ -40,6 +42,15 @@ def _positive(v):
 
 def _non_negative(v):
     return None if v >= 0 else "must be >= 0"
+
+
+def _temperature(v):
+    return None if 0 <= v < math.inf else "must be a finite number >= 0"
+
+
+def _timeout(v):
+    # far beyond it, torch's and gloo's timers overflow: a rank spins or fails with a C++ trace
+    return None if 1 <= v <= MAX_TIMEOUT_S else f"must be between 1 and {MAX_TIMEOUT_S} (30 days)"
 
 
 def _top_p(v):
@@ -66,7 +77,16 @@ def _str_list(v):
     return None if all(isinstance(x, str) and x for x in v) else "must be a list of non-empty strings"
 
 
+def _template_kwargs(v):
+    taken = sorted(set(v) & RESERVED_TEMPLATE_ARGS)
+    return f"cannot set {', '.join(taken)}: the engine passes those itself" if taken else None
+
+
 MAX_LOGPROBS = 20
+MAX_TIMEOUT_S = 30 * 86400
+# apply_chat_template's own arguments, which prompts.py sets: a template variable of the same name would clash
+RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                          "continue_final_message"}
 SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
@@ -93,7 +113,7 @@ SCHEMA: dict[str, Key] = {
     "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),
     "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: from free GPU memory on CUDA, on CPU up to 1 GiB per rank", check=_positive),
     "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "fraction of free GPU memory (after weights) the KV pool takes", check=_fraction),
-    "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_non_negative),
+    "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_temperature),
     "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=_non_negative),
     "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=_top_p),
     "sampling.max_new_tokens": Key(_INT, 64, "most tokens generated per prompt", check=_positive),
@@ -106,12 +126,13 @@ SCHEMA: dict[str, Key] = {
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(_STR + _NONE, None, "JSONL file, one {prompt: str}, {input_ids: [...]} or {messages: [...]} per line"),
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
-    "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}"),
+    "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}",
+                                check=_template_kwargs),
     "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset: stdout"),
-    "resume": Key(_BOOL, False, "skip prompts whose index is already in `output`"),
+    "resume": Key(_BOOL, False, "skip prompts whose index is already in `output` (which it needs)"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
-    "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_positive),
+    "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_timeout),
     "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA at TP > 1: auto = push, else "
                                "symm, else nccl; push or symm = that one, else nccl", ("auto", "push", "symm", "nccl")),
     "advanced.fused_kernels": Key(_STR, "auto", "fused Triton kernels on CUDA: auto = used when Triton imports and their "
@@ -140,15 +161,23 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[leaf] = value
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
+SECTIONS = {dotted.rsplit(".", 1)[0] for dotted in SCHEMA if "." in dotted}  # sampling, kv_cache, advanced
+
+
+def _flatten(d: dict, flat: dict[str, Any], prefix: str = "") -> None:
+    """Nested sections -> dotted keys, into `flat` over what it holds. A key that takes a mapping
+    (chat_template_kwargs) is given whole, or one entry at a time (`chat_template_kwargs.enable_thinking`)."""
     for k, v in d.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict) and any(s.startswith(name + ".") for s in SCHEMA):
-            flat.update(_flatten(v, name + "."))
+        name, (parent, _, entry) = f"{prefix}{k}", f"{prefix}{k}".partition(".")
+        if name in SECTIONS:
+            if v is not None and not isinstance(v, dict):  # null: a section whose keys are all commented out
+                first = next(s for s in SCHEMA if s.startswith(name + "."))
+                raise ConfigError(f"config key '{name}' must be a mapping of its keys (such as '{first}'); got {v!r}")
+            _flatten(v or {}, flat, name + ".")
+        elif name not in SCHEMA and parent in SCHEMA and SCHEMA[parent].type == (dict,):
+            flat[parent] = {**(flat.get(parent) if isinstance(flat.get(parent), dict) else {}), entry: v}
         else:
             flat[name] = v
-    return flat
 
 
 def _unknown(name: str) -> ConfigError:
@@ -163,7 +192,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set expects dotted.key=value, got '{text}'")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value '{raw}': {e}") from None
     return key.strip(), value
@@ -178,26 +207,27 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(decode_utf8(p.read_bytes(), str(p), ConfigError)) or {}
+            data = load_yaml(decode_utf8(p.read_bytes(), str(p), ConfigError)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-        flat.update(_flatten(data))
+        _flatten(data, flat)
         base = p.parent
         # Relative paths in a config file are relative to the file's folder when that is where they exist.
         for k in ("model", "prompts_file"):
             v = flat.get(k)
             if isinstance(v, str) and not Path(v).is_absolute() and not Path(v).exists() and (base / v).exists():
                 flat[k] = str(base / v)
-    flat.update(_flatten(values))
+    _flatten(values, flat)
     for text in overrides or []:
-        k, v = parse_override(text)
-        flat[k] = v
+        _flatten(dict([parse_override(text)]), flat)
     cfg = defaults()
     for k, v in flat.items():
         if k not in SCHEMA:
             raise _unknown(k)
+        if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
+            v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
         _set_dotted(cfg, k, v)
     validate(cfg)
     _generation_defaults(cfg, set(flat))
@@ -245,6 +275,8 @@ def validate(cfg: dict) -> None:
         raise ConfigError("config key 'model' is required: the checkpoint directory")
     if not Path(cfg["model"]).is_dir():
         raise ConfigError(f"config key 'model': directory not found: {cfg['model']}")
+    if cfg["resume"] and not cfg["output"]:
+        raise ConfigError("config key 'resume' needs 'output': the results file to resume")
 
 
 def _type_name(types: tuple) -> str:

@@ -18,7 +18,7 @@ from tp_engine import comm, kernels
 from tp_engine.attention import check_backend, make_backend
 from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
-from tp_engine.kv_cache import KVCache, pages_for
+from tp_engine.kv_cache import KVCache, budget_pages, check_pool, pages_for
 from tp_engine.kernels import fused_ops
 from tp_engine.layers.fp8 import finish_loading, quantize_linears, settle_experts
 from tp_engine.layers.linear import weights_on_meta
@@ -35,7 +35,6 @@ from tp_engine.step_tokens import Issued, add_logprobs, to_host
 log = logging.getLogger("tp_engine")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
 
 
 def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
@@ -76,7 +75,12 @@ class Engine:
         page_size = cfg["kv_cache"]["page_size"]
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         self.kv_heads_local = qkv.kv_heads
-        self.kv = KVCache(mc.num_layers, self._num_pages(), page_size, qkv.kv_heads, mc.head_dim, self.dtype, device)
+        try:  # raises only past _num_pages' collective, which no rank then misses: check_startup agrees
+            self.kv = KVCache(mc.num_layers, self._num_pages(), page_size, qkv.kv_heads, mc.head_dim, self.dtype,
+                              device)
+        except ValueError as e:  # no room for a page, or no memory for the pages asked for
+            error = e
+        comm.check_startup(error, fingerprint(cfg), self.tp)
         self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
                                  max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
@@ -143,16 +147,9 @@ class Engine:
         per_page = KVCache.bytes_per_page(mc.num_layers, kvc["page_size"], self.kv_heads_local, mc.head_dim, self.dtype)
         if kvc["num_pages"]:
             return kvc["num_pages"]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget, most = int(free * kvc["gpu_memory_utilization"]), None
-        else:
-            budget, most = CPU_KV_BYTES, self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
-        # the pool holds one page more than requests can use (KVCache.scratch_page), within the budget too
-        n = budget // per_page - 1
-        n = n if most is None else min(n, most)
-        n = comm.all_reduce_min(n, self.tp)  # every rank must have the same pool
+        most = self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
+        n = comm.all_reduce_min(budget_pages(kvc, per_page, self.device, most), self.tp)  # the same pool on all
+        check_pool(n, kvc, per_page, self.device)
         if self.tp.is_first:
             log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
         return n

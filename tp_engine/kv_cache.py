@@ -9,6 +9,29 @@ import numpy as np
 import torch
 
 
+CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
+
+
+def budget_pages(kvc: dict, per_page: int, device: torch.device, most: int) -> int:
+    """The pages this rank's byte budget holds, its scratch page counted: `gpu_memory_utilization` of the free GPU
+    memory, or on CPU CPU_KV_BYTES and at most `most` (what max_batch_size requests of full length could use)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * kvc["gpu_memory_utilization"]) // per_page - 1
+    return min(CPU_KV_BYTES // per_page - 1, most)
+
+
+def check_pool(n: int, kvc: dict, per_page: int, device: torch.device) -> None:
+    """A pool sized from the budget must hold a page; else say which keys to change."""
+    if n < 1:
+        budget = f"kv_cache.gpu_memory_utilization {kvc['gpu_memory_utilization']} of the free GPU memory" \
+            if device.type == "cuda" else f"the CPU budget of {CPU_KV_BYTES >> 20} MiB"
+        raise ValueError(f"no room for the KV cache: a page of kv_cache.page_size {kvc['page_size']} tokens takes "
+                         f"{per_page:,} bytes per rank, and {budget} (after the weights) holds fewer than two; "
+                         "lower kv_cache.page_size, or give the pool more memory (or the model more GPUs)")
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -16,8 +39,14 @@ class KVCache:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         # One extra page past the pool, never handed out: padded rows of a CUDA-graph batch write there.
         self.scratch_page = num_pages
-        self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, kv_heads, head_dim, dtype=dtype,
-                                device=device)
+        try:
+            self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, kv_heads, head_dim, dtype=dtype,
+                                    device=device)
+        except RuntimeError as e:  # out of memory: name the size and the key, not the allocator's internals
+            size = (num_pages + 1) * self.bytes_per_page(num_layers, page_size, kv_heads, head_dim, dtype)
+            raise ValueError(f"cannot allocate the KV cache: {num_pages:,} pages (kv_cache.num_pages) of "
+                             f"{page_size} tokens take {size / 2**30:,.1f} GiB per rank on {device.type}: "
+                             f"{str(e).splitlines()[0][:160]}") from None
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -73,7 +73,9 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("'weight_map' must map tensor names to file names")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         files = [root / f for f in dict.fromkeys(weight_map.values())]
     elif (root / "model.safetensors").is_file():

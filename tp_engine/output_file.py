@@ -31,7 +31,10 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
             raise ConfigError(f"output {output} is {kind}" + (f" ({target})" if str(target) != output else "")
                               + "; it must be a regular file (or a symlink to one)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a folder should be, no permission, a read-only file system
+        raise ConfigError(f"output {output}: cannot create its folder {target.parent}: {e.strerror}") from None
     return target
 
 
@@ -42,7 +45,10 @@ class OutputLock:
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConfigError(f"output {shown}: cannot create its lock file {self.path}: {e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

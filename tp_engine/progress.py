@@ -43,17 +43,27 @@ class Progress:
 
 
 class Streamer:
-    """Prints a single request's text as it is generated (whole characters only: a token may end mid-character)."""
+    """Prints a single request's text as it is generated (whole characters only: a token may end mid-character).
+    With stop strings, the text that could still turn out to start one is held back, since the final text is
+    cut before it."""
 
-    def __init__(self, decode, out: TextIO = sys.stdout) -> None:
-        self.decode, self.out, self.shown = decode, out, ""
+    def __init__(self, decode, out: TextIO = sys.stdout, stop: list[str] | tuple = ()) -> None:
+        self.decode, self.out, self.shown, self.stop = decode, out, "", list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def update(self, output_ids: list[int], final: bool = False) -> None:
-        text = self.decode(output_ids) or ""
-        if not final and text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.shown):])
-        self.shown = text
+    def update(self, output_ids: list[int], final: bool = False, text: str | None = None) -> None:
+        """`text`, with `final`: the request's finished text (cut before a stop string), shown in place of ids'."""
+        if text is None:
+            text = self.decode(output_ids) or ""
+        if not final:
+            if text.endswith("\ufffd"):
+                return
+            for s in self.stop:
+                text = text[:text.find(s)] if s in text else text
+            text = text[:len(text) - self.hold]
+        if len(text) > len(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.shown = text
         if final:
             self.out.write("\n")
         self.out.flush()

@@ -28,6 +28,8 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         raise ConfigError("give exactly one of 'prompts' (a list) and 'prompts_file' (a JSONL path)"
                           + ("; both are set" if cfg["prompts"] is not None else "; neither is set"))
     if cfg["prompts"] is not None:
+        if not cfg["prompts"]:  # a run with nothing to do would still replace the output file
+            raise ConfigError("config key 'prompts' is an empty list: nothing to generate")
         return cfg["prompts"]
     path = Path(cfg["prompts_file"])
     if not path.is_file():
@@ -43,6 +45,8 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
             raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
         prompts.append(item)
+    if not prompts:
+        raise ConfigError(f"config key 'prompts_file': {path} holds no prompts: nothing to generate")
     return prompts
 
 

@@ -152,6 +152,8 @@ class ResultSink:
 
     def close(self) -> None:
         ordered = [self.results[i] for i in sorted(self.results)]
+        if self.target is not None and not ordered:
+            return  # no result, none kept: the file stays as it was
         if self.target is not None:
             if self.file is not None:
                 self.file.close()

@@ -1,10 +1,13 @@
 """Reading the user's text files: UTF-8 with an error that names the file, line and column; JSONL split on
-newlines only."""
+newlines only; YAML without silently dropped keys."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) -> str:
@@ -40,3 +43,30 @@ def jsonl_lines(text: str) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last one, so a
+    second `sampling:` section would silently replace the first), and `1e-3` is a number as in YAML 1.2
+    (PyYAML's YAML 1.1 rules read it as a string)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice (lines {seen[key]} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python values (raises yaml.YAMLError)."""
+    return yaml.load(text, Loader=_StrictLoader)

@@ -110,7 +110,13 @@ def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | N
     reports = [mine]
     if tp.size > 1:
         reports = [None] * tp.size
-        dist.all_gather_object(reports, mine, group=tp.cpu_group)
+        try:
+            dist.all_gather_object(reports, mine, group=tp.cpu_group)
+        except RuntimeError as e:  # gloo's timeout, or a peer gone: one line instead of a C++ trace
+            why = str(e).splitlines()[0].rsplit("] ", 1)[-1][:160]  # gloo's words, without its source file
+            raise StartupError(f"not every rank reported at start-up within timeout_s ({why}); rank 0 encodes all "
+                               "prompts first: a very large prompts_file needs a larger timeout_s, else another "
+                               "rank failed") from None
     for r, (msg, _, _) in enumerate(reports):
         if msg is not None:
             raise StartupError(msg if r == 0 or msg == reports[0][0] else f"rank {r}: {msg}")
