@@ -371,18 +371,24 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective(ckpt, tmp_path):
     check_results_file(out, 300)
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
-    script = tmp_path / "faulty.py"
-    script.write_text(FAULTY.format(root=str(ROOT), rank=rank))
-    cfg, out = long_job(ckpt, tmp_path)
+def run_patched(cfg, tmp_path, source: str, limit: float, **fields) -> tuple[int, str]:
+    """The CLI at TP=2 through a script that patches the engine first: (exit status, stderr)."""
+    script = tmp_path / "patched.py"
+    script.write_text(source.format(root=str(ROOT), **fields))
     proc = start_job(cfg, tmp_path, script=script)
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=limit)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
+    cfg, out = long_job(ckpt, tmp_path)
+    code, err = run_patched(cfg, tmp_path, FAULTY, 60, rank=rank)
+    assert code != 0
     assert f"error: rank {rank}: RuntimeError: injected fault" in err
     check_results_file(out, 300)
 
@@ -415,15 +421,8 @@ sys.exit(cli.main())
 
 
 def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_path):
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_PREFLIGHT.format(root=str(ROOT)))
-    proc = start_job(base(ckpt, device="cpu", timeout_s=2), tmp_path, script=script)
-    try:
-        _, err = proc.communicate(timeout=50)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    code, err = run_patched(base(ckpt, device="cpu", timeout_s=2), tmp_path, SLOW_PREFLIGHT, 50)
+    assert code != 0
     assert "error: rank 1: not every rank reported at start-up within timeout_s" in err, err[-3000:]
     assert "(Timed out waiting 2000ms for send operation to complete)" in err
     assert "a very large prompts_file needs a larger timeout_s" in err
