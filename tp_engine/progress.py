@@ -60,7 +60,7 @@ class Streamer:
                 return
             for s in self.stop:
                 text = text[:text.find(s)] if s in text else text
-            text = text[:len(text) - self.hold]
+            text = text[:max(0, len(text) - self.hold)]
         if len(text) > len(self.shown):
             self.out.write(text[len(self.shown):])
             self.shown = text
