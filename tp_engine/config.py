@@ -168,7 +168,8 @@ def _flatten(d: dict, flat: dict[str, Any], prefix: str = "") -> None:
     """Nested sections -> dotted keys, into `flat` over what it holds. A key that takes a mapping
     (chat_template_kwargs) is given whole, or one entry at a time (`chat_template_kwargs.enable_thinking`)."""
     for k, v in d.items():
-        name, (parent, _, entry) = f"{prefix}{k}", f"{prefix}{k}".partition(".")
+        name = f"{prefix}{k}"
+        parent, _, entry = name.partition(".")
         if name in SECTIONS:
             if v is not None and not isinstance(v, dict):  # null: a section whose keys are all commented out
                 first = next(s for s in SCHEMA if s.startswith(name + "."))

@@ -152,9 +152,9 @@ class ResultSink:
 
     def close(self) -> None:
         ordered = [self.results[i] for i in sorted(self.results)]
-        if self.target is not None and not ordered:
-            return  # no result, none kept: the file stays as it was
         if self.target is not None:
+            if not ordered:
+                return  # no result, none kept: the file stays as it was
             if self.file is not None:
                 self.file.close()
             else:
