@@ -141,13 +141,12 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     return weights, ids
 
 
-# (output rows per program, reduction step, warps) of the few-token path. rows x step <= 2048 per 4 warps holds
-# the fp32 partial sums in registers without spills (compiled for sm_90 in tests/test_moe_kernels.py); the
-# down kernel holds k times that (k = 8 for the public shapes). Each shape times them once on the GPU, outside
-# any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does): few wide rows give many programs
-# and long contiguous reads, many narrow ones fewer programs.
-GEMV_TILES = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 128, 4)]
-DOWN_TILES = [(1, 1024, 8), (1, 512, 4), (2, 512, 8), (2, 256, 4), (4, 256, 8), (1, 256, 2)]
+# (output rows per program, reduction step, warps) of the few-token path, the best of a sweep of 60 and 36
+# tiles on Qwen3-30B-A3B's experts (docs/benchmarks.md). The fp32 partial sums stay in registers without spills
+# (compiled for sm_90 in tests/test_moe_kernels.py; the down kernel holds k = 8 times rows x step). Each shape
+# times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does).
+GEMV_TILES = [(1, 512, 2), (1, 1024, 4), (8, 128, 8), (8, 512, 2), (1, 256, 2), (2, 1024, 4)]
+DOWN_TILES = [(1, 128, 4), (4, 256, 4), (8, 256, 4), (1, 256, 2), (2, 128, 4), (1, 512, 4)]
 _DEFAULT = ((1, 1024, 4), (1, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
 _CHOICE: dict = {}
 
