@@ -5,7 +5,7 @@ import pytest
 
 from helpers import make_checkpoint, run_cli
 from tp_engine.llm import LLM
-from tp_engine.reasoning import split_reasoning
+from tp_engine.reasoning import opens_thinking, split_reasoning
 from tp_engine.sampler import SamplingParams
 
 VOCAB = 384
@@ -85,3 +85,15 @@ def test_split_reasoning_rules():
     assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")  # the prompt opened it
     assert split_reasoning("thought</think> answer", open_think=True) == ("thought", "answer")
     assert split_reasoning("Just an answer.") == ("", "Just an answer.")  # thinking turned off in the prompt
+
+
+def test_only_the_generation_prompt_opens_thinking():
+    """<think> (id 1) opens the answer's reasoning only where the template ends the prompt with it, not where a
+    user's message mentions it."""
+    decode = {1: "<think>", 2: "</think>", 3: "\n"}.get
+
+    def opens(ids):
+        return opens_thinking(ids, (1, 2), lambda t: "".join(decode(i, "x") for i in t))
+    assert opens([5, 6, 1]) and opens([5, 1, 3, 3])  # the template wrote "<think>\n"
+    assert not opens([5, 1, 6, 7, 3, 8])  # "what does <think> mean?", then the assistant's header
+    assert not opens([5, 1, 6, 2, 3]) and not opens([5, 6])

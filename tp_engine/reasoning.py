@@ -5,6 +5,8 @@ non-special tokens (so decoding keeps them in the text, as Qwen3's tokenizer doe
 """
 from __future__ import annotations
 
+from typing import Callable
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -20,12 +22,12 @@ def think_tags(tokenizer) -> tuple[int, int] | None:
     return vocab[THINK_START], vocab[THINK_END]
 
 
-def opens_thinking(prompt_ids: list[int], tags: tuple[int, int]) -> bool:
-    """Whether the prompt ends inside a think block (templates that write `<think>` into the generation prompt)."""
-    start, end = tags
-    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
-    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
-    return last_start > last_end
+def opens_thinking(prompt_ids: list[int], tags: tuple[int, int], decode: Callable[[list[int]], str | None]) -> bool:
+    """Whether the generation prompt opens a think block (templates that end it with `<think>`): the prompt's
+    last think tag is `<think>` with only blank text after it. A `<think>` the user wrote mid-prompt does not
+    count, as the rest of the conversation follows it."""
+    last = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] in tags), None)
+    return last is not None and prompt_ids[last] == tags[0] and not (decode(prompt_ids[last + 1:]) or "").strip()
 
 
 def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
