@@ -115,3 +115,16 @@ def test_noise_at_the_top_hash_value_is_finite_and_masked_tokens_never_win():
     for p in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_k=5, top_p=0.5),
               SamplingParams(temperature=1.0)):
         assert sample(logits, [p], [seed], [0]).item() == 7, p
+
+
+def test_a_tiny_temperature_is_greedy():
+    """Temperatures far below any useful one draw the arg-max on every path (plain, few and many top-k
+    candidates, top-p alone); at 1e-38 logits / temperature used to overflow to +inf and the lowest id won."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 300
+    logits = torch.randn(8, vocab, generator=gen) * 3 + 5  # mostly positive, so overflow would show
+    for t in (1e-45, 1e-38, 1e-30, 1e-6):
+        params = [SamplingParams(temperature=t, top_k=k, top_p=p)
+                  for k, p in ((0, 1.0), (5, 1.0), (vocab + 1, 1.0), (0, 0.9))] * 2
+        got = sample(logits, params, list(range(8)), [3] * 8)
+        assert torch.equal(got, logits.argmax(dim=-1)), t

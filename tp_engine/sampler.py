@@ -66,10 +66,15 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+# Temperatures below this are greedy: the draw is the arg-max there but for logits closer than about 1e-5, and
+# logits / temperature overflows fp32 near 1e-38 (every large logit +inf: the lowest such id would win).
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
     """logits: [B, vocab] fp32 -> chosen ids [B] (int64). Each row's draw depends on its own values only."""
     greedy = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not rows:
         return greedy
     dev, vocab = logits.device, logits.shape[-1]
