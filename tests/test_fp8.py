@@ -264,6 +264,7 @@ def test_scales_without_quantization_config(ckpts, tmp_path):
     ({"fmt": "e5m2"}, ["fmt", "'e5m2'", "e4m3"]),
     ({"weight_block_size": [64, 64]}, ["weight_block_size", "[64, 64]", "[128, 128]"]),
     ({"weight_block_size": None}, ["weight_block_size", "missing"]),
+    ({"weight_block_size": 128}, ["weight_block_size 128", "[128, 128]"]),
     ({"activation_scheme": "static"}, ["activation_scheme", "'static'", "dynamic"]),
 ])
 def test_unsupported_quantization_config(change, needles):

@@ -32,7 +32,8 @@ class SliceSource:
         if dtype not in FLOAT_DTYPES and not (fp8 and dtype == FP8_DTYPE):
             allowed = ", ".join([*FLOAT_DTYPES.values(), *(["float8_e4m3fn"] if fp8 else [])])
             hint = ("; float8 weights with weight_scale_inv are a block-FP8 checkpoint, which needs its "
-                    "quantization_config in config.json" if dtype == FP8_DTYPE and not fp8 else "")
+                    "quantization_config in config.json, with this module not in its modules_to_not_convert"
+                    if dtype == FP8_DTYPE and not fp8 else "")
             raise ValueError(f"dtype {dtype} is not supported; weights must be {allowed}{hint}")
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -68,9 +69,14 @@ def default_loader(param: nn.Parameter, src, shard_id=None) -> None:
 
 
 def checkpoint_files(model_dir: str) -> list[Path]:
+    """The safetensors files, chosen as transformers chooses: `model.safetensors` if present (a folder saved
+    again whole keeps its stale shard index), else the shards of `model.safetensors.index.json`, else every
+    *.safetensors file."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
-    if index.is_file():
+    if (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    elif index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -78,8 +84,6 @@ def checkpoint_files(model_dir: str) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         files = [root / f for f in dict.fromkeys(weight_map.values())]
-    elif (root / "model.safetensors").is_file():
-        files = [root / "model.safetensors"]
     else:
         files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -114,38 +118,73 @@ def checkpoint_map(model: nn.Module) -> dict[str, tuple[str, object]]:
     return out
 
 
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
 def load_checkpoint(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     targets = checkpoint_map(model)
     tied = getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # tensor name -> the file it came from
+    tied_head = None  # with tied embeddings, the file of an lm_head.weight the checkpoint also holds
     for file in checkpoint_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue  # derived or duplicated tensors some checkpoints carry
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # derived, in some checkpoints
+                    if tied and name == HEAD:
+                        tied_head = file
+                        continue
                     if name not in targets:
                         unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
                         hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
                                 if name.endswith(".weight_scale_inv") and unquantized else "")
                         raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
-                    pname, shard = targets[name]
-                    param = params[pname]
-                    loader = getattr(param, "weight_loader", default_loader)
-                    try:
-                        loader(param, SliceSource(handle, name, param.dtype == torch.float8_e4m3fn), shard)
-                    except ValueError as e:
-                        raise CheckpointError(f"tensor '{name}' in {file.name}: {e}") from None
-                    seen.add(name)
+                    if name in seen:  # which copy transformers takes depends on its version: refuse both
+                        raise CheckpointError(f"tensor '{name}' is in both {seen[name]} and {file.name}")
+                    _load(params, targets, handle, name, file)
+                    seen[name] = file.name
         except CheckpointError:
             raise
         except Exception as e:  # safetensors reports truncation and corruption with its own error types
             raise CheckpointError(f"cannot read checkpoint file {file}: {e}") from None
-    missing = sorted(targets.keys() - seen)
+    if tied_head is not None and EMBEDDING in seen:
+        _check_tied_head(params, targets, tied_head)
+    elif tied_head is not None:  # the head alone: the embedding comes from it, as in transformers
+        with safe_open(str(tied_head), framework="pt", device="cpu") as handle:
+            _load(params, targets, handle, EMBEDDING, tied_head, HEAD)
+        seen[EMBEDDING] = tied_head.name
+    missing = sorted(targets.keys() - seen.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+def _load(params: dict, targets: dict, handle, name: str, file: Path, source: str | None = None) -> None:
+    """Checkpoint tensor `source` (default: `name`) into the parameter that tensor `name` loads into."""
+    pname, shard = targets[name]
+    param = params[pname]
+    loader = getattr(param, "weight_loader", default_loader)
+    try:
+        loader(param, SliceSource(handle, source or name, param.dtype == torch.float8_e4m3fn), shard)
+    except ValueError as e:
+        raise CheckpointError(f"tensor '{source or name}' in {file.name}: {e}") from None
+
+
+def _check_tied_head(params: dict, targets: dict, file: Path) -> None:
+    """With tie_word_embeddings, a stored lm_head.weight must equal the embedding (transformers 5 unties a
+    head that differs). Each rank compares its own rows."""
+    pname, shard = targets[EMBEDDING]
+    embedding = params[pname]
+    head = nn.Parameter(torch.empty_like(embedding), requires_grad=False)
+    head.weight_loader = getattr(embedding, "weight_loader", default_loader)
+    with safe_open(str(file), framework="pt", device="cpu") as handle:
+        _load({pname: head}, targets, handle, EMBEDDING, file, HEAD)
+    if not torch.equal(head, embedding):
+        raise CheckpointError(f"{HEAD} in {file.name} differs from {EMBEDDING}, while config.json sets "
+                              "tie_word_embeddings: true; transformers then uses them apart: set "
+                              "tie_word_embeddings to false in config.json for that")
 
 
 def init_dummy(model: nn.Module, seed: int) -> None:

@@ -86,8 +86,9 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            # absent: transformers' default for the model type; null: derived from the heads, as there
+            num_kv_heads=raw.get("num_key_value_heads", 4 if kind == "qwen3_moe" else 32) or heads,
+            head_dim=raw.get("head_dim", None if kind == "qwen3_moe" else 128) or raw["hidden_size"] // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),

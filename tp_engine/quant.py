@@ -52,7 +52,7 @@ class QuantConfig:
         if block is None:
             raise ValueError("quantization_config.weight_block_size is missing: only block-quantized FP8 "
                              f"(weight_block_size [{BLOCK}, {BLOCK}]) is supported, not per-tensor scales")
-        if list(block) != [BLOCK, BLOCK]:
+        if not isinstance(block, list) or block != [BLOCK, BLOCK]:
             raise ValueError(f"quantization_config.weight_block_size {block!r} is not supported (only "
                              f"[{BLOCK}, {BLOCK}])")
         skip = raw.get("modules_to_not_convert") or ()
