@@ -7,7 +7,7 @@ import sys
 import torch
 import yaml
 
-from helpers import GENERATE, ROOT, free_port, make_checkpoint, run_cli
+from helpers import GENERATE, ROOT, free_port, hf_generate, make_checkpoint, run_cli
 
 PROMPTS = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}]
 
@@ -113,6 +113,35 @@ def test_failure_inside_a_step_makes_every_later_generate_refuse(tmp_path):
         assert first is not None and second is not None, (rank, first, second)
         assert "cannot run again" in second and "out of step" in second, second
     assert json.loads((tmp_path / "rank1").read_text())[0] == "RuntimeError: injected fault"
+
+
+AGAIN = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+outs = []
+for i in range(3):
+    if os.environ["RANK"] == "0":
+        time.sleep(1)  # rank 1 makes the next process group first
+    llm = LLM(model={model!r}, device="cpu", timeout_s=30)
+    outs.append(llm.generate({prompts!r}, SamplingParams(max_new_tokens=6)))
+    llm.shutdown()
+with open({out!r} + str(os.environ["RANK"]), "w") as f:
+    json.dump(outs, f)
+"""
+
+
+def test_an_llm_after_shutdown_in_the_same_processes(tmp_path):
+    """Each process group gets its own keys in torchrun's store: the group made after shutdown() used to read
+    the last one's, and gloo connected to a closed socket (exit with 'Connection refused', or a hang)."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, AGAIN.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
+                                             out=str(tmp_path / "rank")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
+    outs = json.loads((tmp_path / "rank0").read_text())
+    assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 3
+    assert json.loads((tmp_path / "rank1").read_text()) == [None] * 3
 
 
 def test_help_lists_every_key_and_print_config_merges(tmp_path):

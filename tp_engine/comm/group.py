@@ -54,6 +54,9 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+_GROUPS_MADE = 0  # process groups this process has made (init_distributed)
+
+
 def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto") -> TPGroup:
     """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one).
 
@@ -68,9 +71,15 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
         set_tp(TPGroup(0, 1, device))
         return _TP
     if not dist.is_initialized():
+        global _GROUPS_MADE
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=timeout_s)
+        # Each group its own keys in torchrun's store: one made again after shutdown() would otherwise read the
+        # last one's addresses, and gloo would connect to closed sockets. Every rank makes its groups in step.
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        _GROUPS_MADE += 1
+        dist.init_process_group(backend, store=dist.PrefixStore(f"tp_engine/{_GROUPS_MADE}", store), rank=rank,
+                                world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
     group = dist.group.WORLD
     cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     channel = _TP.channel if _TP.size == world else None  # joined before (a tool, then the engine): keep it
