@@ -56,6 +56,35 @@ def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
     return out
 
 
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+
+
+def engine_matmul(name: str) -> str:
+    """The engine's matmul a checkpoint weight goes into: q/k/v and gate/up are fused, and a MoE layer's
+    experts are stacked into one (so they must all be quantized, or none)."""
+    module = name.rsplit(".", 1)[0]
+    if ".mlp.experts." in module:
+        return module.split(".mlp.experts.")[0] + ".mlp.experts"
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{FUSED.get(leaf, leaf)}"
+
+
+def check_skips(tensors: list[tuple[str, Path, bool, int]]) -> None:
+    """Refuse a --modules-to-not-convert that keeps only part of one engine matmul unquantized (the engine
+    could not load the result), before any time is spent quantizing."""
+    quantized: dict[str, dict[str, bool]] = {}
+    for name, _, q, _ in tensors:
+        if is_quantizable(name, (1, 1)):
+            quantized.setdefault(engine_matmul(name), {})[name.rsplit(".", 1)[0]] = q
+    for matmul, parts in quantized.items():
+        if len(set(parts.values())) > 1:
+            kept = [m for m, q in parts.items() if not q]
+            raise SystemExit(f"--modules-to-not-convert keeps {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}"
+                             f" unquantized but not the rest of {matmul} ({len(parts)} weights), which the engine "
+                             "runs as one matmul: name all of them, or their parent module")
+
+
 def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: str = "cpu",
                         modules_to_not_convert: tuple[str, ...] = ()) -> dict:
     """Write the FP8 checkpoint of `src` into `dst`; returns its index."""
@@ -65,6 +94,7 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
         raise SystemExit(f"{src_dir / 'config.json'} already has a quantization_config")
     skip = QuantConfig(modules_to_not_convert=tuple(modules_to_not_convert))
     tensors = plan(src_dir, skip)
+    check_skips(tensors)
     shards, size = [[]], 0
     for entry in tensors:
         if shards[-1] and size + entry[3] > shard_bytes:

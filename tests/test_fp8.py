@@ -293,6 +293,19 @@ def test_modules_to_not_convert_and_dummy_weights(ckpts, tmp_path):
         llm.shutdown()
 
 
+def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
+    """Keeping gate_proj but not up_proj (or one expert of a MoE layer) unquantized gives a checkpoint the
+    engine cannot load: refused before anything is written."""
+    from quantize_fp8 import engine_matmul
+    with pytest.raises(SystemExit) as e:
+        quantize_checkpoint(str(ckpts["src"]), str(tmp_path / "out"),
+                            modules_to_not_convert=("model.layers.0.mlp.gate_proj",))
+    assert "model.layers.0.mlp.gate_proj unquantized but not the rest of model.layers.0.mlp.gate_up_proj" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    assert engine_matmul("model.layers.3.mlp.experts.17.down_proj.weight") == "model.layers.3.mlp.experts"
+    assert engine_matmul("model.layers.3.self_attn.v_proj.weight") == "model.layers.3.self_attn.qkv_proj"
+
+
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
