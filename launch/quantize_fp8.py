@@ -9,7 +9,8 @@ largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_
 embeddings, norms, the LM head and the MoE router are copied as they are. The output is sharded
 (model-0000k-of-0000n.safetensors with model.safetensors.index.json); config.json gains
 `quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`;
-the other files (tokenizer, generation_config.json) are copied.
+the other files (tokenizer, generation_config.json) are copied. DST must be a new folder (or one without a
+checkpoint): writing over the source would leave neither model loadable.
 """
 from __future__ import annotations
 
@@ -32,28 +33,13 @@ BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
 
 
 def parse_size(text: str) -> int:
+    """'5GB', '500MB', '64KB' or a number of bytes; argparse names the flag when this raises ValueError."""
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[:-2]) * factor)
-    return int(text)
-
-
-def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
-    """(name, source file, quantize?, output bytes) for every tensor, in the source order."""
-    out = []
-    for file in checkpoint_files(str(src)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                shape, size = tuple(sl.get_shape()), BYTES.get(sl.get_dtype(), 4)
-                numel = 1
-                for d in shape:
-                    numel *= d
-                q = is_quantizable(name, shape) and not skip.skips(name.rsplit(".", 1)[0])
-                blocks = -(-shape[0] // BLOCK) * -(-shape[-1] // BLOCK) if q else 0
-                out.append((name, file, q, numel + 4 * blocks if q else numel * size))
-    return out
+    unit = next((u for u in units if text.upper().endswith(u)), None)
+    size = float(text[:-2]) * units[unit] if unit else float(text)
+    if not size >= 1:
+        raise ValueError(text)
+    return int(size)
 
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -68,6 +54,24 @@ def engine_matmul(name: str) -> str:
         return module.split(".mlp.experts.")[0] + ".mlp.experts"
     parent, _, leaf = module.rpartition(".")
     return f"{parent}.{FUSED.get(leaf, leaf)}"
+
+
+def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
+    """(name, source file, quantize?, output bytes) for every tensor, in the source order."""
+    out = []
+    for file in checkpoint_files(str(src)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape, size = tuple(sl.get_shape()), BYTES.get(sl.get_dtype(), 4)
+                numel = 1
+                for d in shape:
+                    numel *= d
+                module = name.rsplit(".", 1)[0]  # the engine asks about a MoE layer's experts as one module
+                q = is_quantizable(name, shape) and not (skip.skips(module) or skip.skips(engine_matmul(name)))
+                blocks = -(-shape[0] // BLOCK) * -(-shape[-1] // BLOCK) if q else 0
+                out.append((name, file, q, numel + 4 * blocks if q else numel * size))
+    return out
 
 
 def check_skips(tensors: list[tuple[str, Path, bool, int]]) -> None:
@@ -89,6 +93,12 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
                         modules_to_not_convert: tuple[str, ...] = ()) -> dict:
     """Write the FP8 checkpoint of `src` into `dst`; returns its index."""
     src_dir, dst_dir = Path(src), Path(dst)
+    if not (src_dir / "config.json").is_file():
+        raise SystemExit(f"{src_dir} has no config.json: not a checkpoint folder")
+    if dst_dir.exists() and (dst_dir.resolve() == src_dir.resolve() or any(
+            (dst_dir / f).exists() for f in ("config.json", "model.safetensors.index.json")) or
+            any(dst_dir.glob("*.safetensors"))):
+        raise SystemExit(f"{dst_dir} already holds a checkpoint (or is the source): write into a new folder")
     config = json.loads((src_dir / "config.json").read_text())
     if config.get("quantization_config"):
         raise SystemExit(f"{src_dir / 'config.json'} already has a quantization_config")
@@ -139,12 +149,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("dst", help="output directory")
-    p.add_argument("--shard-size", default="5GB", help="largest output file (e.g. 5GB, 500MB)")
+    p.add_argument("--shard-size", default="5GB", type=parse_size, help="largest output file (e.g. 5GB, 500MB)")
     p.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for large models)")
     p.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="MODULE",
                    help="modules (checkpoint names) to keep unquantized; recorded in quantization_config")
     args = p.parse_args(argv)
-    index = quantize_checkpoint(args.src, args.dst, parse_size(args.shard_size), args.device,
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        p.error(f"--device {args.device}: {str(e).splitlines()[0]}")
+    index = quantize_checkpoint(args.src, args.dst, args.shard_size, args.device,
                                 tuple(args.modules_to_not_convert))
     files = sorted(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors in {len(files)} file(s), "

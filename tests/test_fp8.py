@@ -306,6 +306,25 @@ def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
     assert engine_matmul("model.layers.3.self_attn.v_proj.weight") == "model.layers.3.self_attn.qkv_proj"
 
 
+def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path, capsys):
+    """Quantizing into the source folder (or over another checkpoint) used to rewrite its config.json and leave
+    a folder that loaded neither way; bad arguments gave tracebacks."""
+    from quantize_fp8 import main
+    src = ckpts["src"]
+    before = (src / "config.json").read_text()
+    for dst in (src, ckpts["fp8"]):
+        with pytest.raises(SystemExit, match="already holds a checkpoint"):
+            quantize_checkpoint(str(src), str(dst))
+    assert (src / "config.json").read_text() == before
+    with pytest.raises(SystemExit, match="has no config.json"):
+        quantize_checkpoint(str(tmp_path / "nothing"), str(tmp_path / "out"))
+    for bad in (["--shard-size", "5G"], ["--device", "nodevice"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(src), str(tmp_path / "out"), *bad])
+        assert e.value.code == 2 and bad[0] in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
@@ -405,3 +424,19 @@ def test_moe_experts_greedy_equals_transformers_float64(moe_ckpts, tp, tmp_path)
     for prompt, ours, theirs in zip(PROMPTS, got, want):
         check_against(model, prompt, ours, theirs)
     assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) - 1
+
+
+def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp_path):
+    """`mlp.experts` names the stacked experts as the engine (and transformers) read it: the quantizer used to
+    quantize every expert anyway, giving a checkpoint the engine refused."""
+    from tp_engine.llm import LLM
+    path, _, _ = moe_ckpts
+    out = tmp_path / "kept"
+    quantize_checkpoint(str(path.parent / "bf16"), str(out), modules_to_not_convert=("mlp.experts",))
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    assert tensors["model.layers.1.mlp.experts.7.down_proj.weight"].dtype != FP8
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].dtype == FP8
+    llm = LLM(model=str(out), device="cpu", sampling={"max_new_tokens": 3})
+    assert len(llm.generate([{"input_ids": PROMPTS[0]}])[0]["output_token_ids"]) == 3
