@@ -155,7 +155,8 @@ class LLM:
             out["logprobs"] = req.logprobs
         tags = self._think_tags()
         if tags is not None and req.error is None:
-            out["reasoning"], out["text"] = split_reasoning(out["text"] or "", opens_thinking(req.prompt_ids, tags, self.decode))
+            opens = opens_thinking(req.prompt_ids, tags, self.decode)
+            out["reasoning"], out["text"] = split_reasoning(out["text"] or "", opens)
         if req.error is not None:
             out["error"] = req.error
         return out

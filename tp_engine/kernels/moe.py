@@ -141,7 +141,7 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     return weights, ids
 
 
-# (output rows per program, reduction step, warps) of the few-token path, the best of a sweep of 60 and 36
+# (output rows per program, reduction step, warps) of the few-token path, the best of a sweep of 55 and 32
 # tiles on Qwen3-30B-A3B's experts (docs/benchmarks.md). The fp32 partial sums stay in registers without spills
 # (compiled for sm_90 in tests/test_moe_kernels.py; the down kernel holds k = 8 times rows x step). Each shape
 # times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does).
