@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, run_cli
 from tp_engine.cli import main
 from tp_engine.config import ConfigError, build_config
 from tp_engine.model_config import ModelConfig, ModelError
@@ -215,3 +215,42 @@ def test_streamed_text_stops_before_a_stop_string():
     streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" and then"])
     streamer.update([1, 2])
     assert out.getvalue() == ""
+
+
+def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
+    """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop string."""
+    cfg = {"model": str(DEMO), "chat": True, "stream": True, "prompts": ["Alice was beginning to get very tired"],
+           "sampling": {"max_new_tokens": 12, "stop": ["e"]}}
+    proc, lines = run_cli(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lines[0]["finish_reason"] == "stop" and lines[0]["reasoning"] == ""
+    assert proc.stdout == lines[0]["text"] + "\n"
+
+
+def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
+    """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line; the command line
+    used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""
+    proc, lines = run_cli({"model": str(DEMO), "prompts": [5, 6, 7]}, tmp_path)
+    assert "encoded holds" not in proc.stderr, proc.stderr[-2000:]
+    assert [(line["index"], line["finish_reason"]) for line in lines] == [(0, "error"), (1, "error"), (2, "error")]
+    assert all("a prompt must be a string, a list of token ids or an object; got int" in line["error"]
+               for line in lines)
+
+
+def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
+    """The look-back window for stop strings counts tokens; special tokens decode to nothing, so a run of them
+    between a stop string's characters pushed its start out of the window and the stop was missed."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from tp_engine.llm import LLM
+    from tp_engine.prompts import PromptEncoder
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    special = tok.all_special_ids[0]
+    ids = tok.encode("x a", add_special_tokens=False) + [special] * 13 + tok.encode("b", add_special_tokens=False)
+    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True), prompts=PromptEncoder(str(DEMO)))
+    req = SimpleNamespace(output_ids=[], text=None)
+    hits = []
+    for t in ids:
+        req.output_ids.append(t)
+        hits.append(LLM._hit_stop(llm, req, ["ab"]))
+    assert hits == [False] * (len(ids) - 1) + [True] and req.text == "x "

@@ -65,14 +65,15 @@ class LLM:
         skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
         ranks follow rank 0's steps and return None. `on_finish(output)` is called on
         rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
-        already computed (the command line encodes before the weights load).
+        already computed (the command line encodes before the weights load); `prompts` is then the list they
+        came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
 
         If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves the
         call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
         engine then refuses every later call."""
         # Checks that can fail run on every rank before any collective, so all ranks fail alike.
         self.engine.check_usable()
-        prompts = as_list(prompts)
+        prompts = list(prompts) if encoded is not None else as_list(prompts)
         params = sampling_params if sampling_params is not None else sampling_params_from(self.cfg)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -134,10 +135,15 @@ class LLM:
         return None
 
     def _hit_stop(self, req: Request, stops: list[str]) -> bool:
-        # A stop string that ends at the newest token lies within its last few tokens (a token is at least
-        # a byte): look there first, so long outputs are not decoded in full at every step.
-        window = 4 * max(len(s) for s in stops) + 4
-        if not any(s in (self.decode(req.output_ids[-window:]) or "") for s in stops):
+        # A stop string that ends at the newest token lies within its last few tokens that have text (each is
+        # at least a byte; special tokens decode to nothing): look there first, so long outputs are not decoded
+        # in full at every step.
+        ids, start, need, special = req.output_ids, len(req.output_ids), 4 * max(map(len, stops)) + 4, \
+            self.prompts.special_ids
+        while start > 0 and need > 0:
+            start -= 1
+            need -= ids[start] not in special
+        if not any(s in (self.decode(ids[start:]) or "") for s in stops):
             return False
         text = self.decode(req.output_ids) or ""
         cut = min((text.find(s) for s in stops if s in text), default=-1)

@@ -55,11 +55,11 @@ class Streamer:
         """`text`, with `final`: the request's finished text (cut before a stop string), shown in place of ids'."""
         if text is None:
             text = self.decode(output_ids) or ""
+            for s in self.stop:  # cut as the finished text is cut (with reasoning apart, the whole output is shown)
+                text = text[:text.find(s)] if s in text else text
         if not final:
             if text.endswith("\ufffd"):
                 return
-            for s in self.stop:
-                text = text[:text.find(s)] if s in text else text
             text = text[:max(0, len(text) - self.hold)]
         if len(text) > len(self.shown):
             self.out.write(text[len(self.shown):])

@@ -90,6 +90,11 @@ class PromptEncoder:
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids `decode` skips: they add no text."""
+        return frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+
     def encode_all(self, prompts: list[Prompt]) -> list[list[int] | PromptError]:
         return [self.try_encode(p) for p in prompts]
 
