@@ -27,6 +27,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from tp_engine.loader import checkpoint_files  # noqa: E402
+from tp_engine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
 
 BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
@@ -42,10 +43,6 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-         "up_proj": "gate_up_proj"}
-
-
 def engine_matmul(name: str) -> str:
     """The engine's matmul a checkpoint weight goes into: q/k/v and gate/up are fused, and a MoE layer's
     experts are stacked into one (so they must all be quantized, or none)."""
@@ -53,7 +50,7 @@ def engine_matmul(name: str) -> str:
     if ".mlp.experts." in module:
         return module.split(".mlp.experts.")[0] + ".mlp.experts"
     parent, _, leaf = module.rpartition(".")
-    return f"{parent}.{FUSED.get(leaf, leaf)}"
+    return f"{parent}.{Qwen3ForCausalLM.packed_modules.get(leaf, (leaf,))[0]}"
 
 
 def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
