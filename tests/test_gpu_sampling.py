@@ -18,7 +18,7 @@ from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMP
                          needs_flashinfer)
 from helpers import free_port
 from test_sampling import mixed_params, random_rows, reference
-from tp_engine.sampler import SamplingParams, request_seed, sample
+from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -100,6 +100,17 @@ def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
         # bf16-rounded logits: many exact ties
         tied = logits.to(torch.bfloat16).float()
         assert torch.equal(sample(tied, params, seeds, steps), reference(tied, params, seeds, steps)), vocab
+
+
+def test_logprobs_rank_ties_on_cuda_as_on_the_cpu():
+    """The top logprobs come from kernels/sampling.topk_candidates on CUDA: ties by id, the lower first."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 4, (8, 151936), generator=gen).float()
+    greedy = logits.argmax(-1)
+    cpu = token_logprobs(logits, greedy, 20)
+    gpu = token_logprobs(logits.to(DEV), greedy.to(DEV), 20)
+    assert torch.equal(gpu[1].cpu(), cpu[1]) and torch.equal(gpu[1][:, 0].cpu(), greedy)
+    torch.testing.assert_close(gpu[2].cpu(), cpu[2])
 
 
 def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs, uniform_noise
-from tp_engine.topk_sampling import full_sort_draw, row_hash
+from tp_engine.topk_sampling import _mask_sorted, full_sort_draw, row_hash
 
 
 def reference(logits, params, seeds, steps):
@@ -19,7 +19,7 @@ def reference(logits, params, seeds, steps):
     sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
     top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
     probs = sorted_x.softmax(-1)
-    drop = probs.cumsum(-1) - probs > top_p[:, None]
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)  # the test below holds it to HF
     x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
                       torch.tensor([steps[i] for i in rows], device=dev), vocab)
@@ -79,6 +79,48 @@ def test_full_sort_draw_breaks_ties_by_token_id():
     rows = row_hash(torch.arange(400), torch.zeros(400, dtype=torch.int64))
     got = full_sort_draw(x.expand(400, -1) * 50, torch.full((400,), 2), torch.ones(400), rows)
     assert set(got.tolist()) == {2, 5}
+
+
+def test_top_p_keeps_as_many_tokens_as_transformers():
+    """top-p keeps the smallest set of most likely tokens whose mass reaches top_p: a token whose predecessors
+    already hold top_p goes, also when their mass equals it exactly (equal logits: 0.5 + 0.5, 4 x 0.25)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(2)
+    vocab, n = 64, 120
+    x = random_rows(gen, n, vocab)
+    x[0:3] = -30.0
+    x[0:3, [9, 4]] = 5.0  # two equal tokens hold all the mass
+    x[3:6] = -30.0
+    x[3:6, [1, 8, 30, 2]] = 2.0  # four
+    for top_p in (0.5, 0.25, 0.75, 0.9, 0.95):
+        ours = _mask_sorted(x.sort(dim=-1, descending=True, stable=True).values, torch.full((n,), vocab),
+                            torch.full((n,), top_p))
+        hf = TopPLogitsWarper(top_p)(None, x.clone())
+        assert torch.equal(torch.isfinite(ours).sum(-1), torch.isfinite(hf).sum(-1)), top_p
+    # the draw keeps the lower id of the two equal tokens at top_p 0.5, on both top-p paths
+    rows = row_hash(torch.arange(200), torch.zeros(200, dtype=torch.int64))
+    two = x[:1].expand(200, -1)
+    assert set(full_sort_draw(two, torch.full((200,), vocab), torch.full((200,), 0.5), rows).tolist()) == {4}
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=0.5) for k in (2, 0)]
+    for p in params:
+        assert {int(sample(x[:1], [p], [s], [0])) for s in range(100)} == {4}, p
+
+
+def test_token_logprobs_rank_ties_as_the_draw_does():
+    """Equal logits (common in bf16) are ranked by id, the lower first, as the sampler ranks them: the greedy
+    token comes first and the top 3 are the first 3 of the top 7. K above the vocabulary gives the vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (16, 3000), generator=gen).float()
+    greedy = logits.argmax(-1)
+    order = logits.sort(dim=-1, descending=True, stable=True).indices
+    _, ids7, vals7 = token_logprobs(logits, greedy, 7)
+    _, ids3, _ = token_logprobs(logits, greedy, 3)
+    assert torch.equal(ids7, order[:, :7]) and torch.equal(ids3, ids7[:, :3])
+    assert torch.equal(ids7[:, 0], greedy)
+    torch.testing.assert_close(vals7, torch.log_softmax(logits, -1).gather(1, order[:, :7]))
+    chosen, ids, vals = token_logprobs(logits[:2, :5], greedy[:2] % 5, 20)
+    assert ids.shape == (2, 5) and sorted(ids[0].tolist()) == list(range(5))
 
 
 def test_sample_seeds_keep_sample_zero_and_differ_per_sample():

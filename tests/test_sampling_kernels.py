@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 SCRIPT = r'''
 import torch
 from tp_engine.kernels import sampling
-from tp_engine.topk_sampling import _order_key
+from tp_engine.topk_sampling import order_key
 
 gen = torch.Generator().manual_seed(0)
 vocab = 2 * sampling.TOPK_BLOCK + 904  # a partial last chunk
@@ -30,7 +30,7 @@ rows = torch.tensor([5, 0, 1, 2, 3, 4, 0])
 temps = torch.tensor([0.7, 1.0, 0.3, 2.5, 1.0, 0.6, 0.6])
 for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
     got = sampling.topk_candidates(x, rows, temps, k)
-    ref = _order_key(x[rows] / temps[:, None]).topk(k, dim=-1, sorted=True).indices
+    ref = order_key(x[rows] / temps[:, None]).topk(k, dim=-1, sorted=True).indices
     assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
 
 # the draw among the candidates against topk_sampling.draw_among, with top-k and top-p masks of every kind

@@ -12,7 +12,7 @@ import torch
 
 from tp_engine.config import SCHEMA, check_value
 from tp_engine.kernels.sampling import TOPK_MAX_K
-from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash
+from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash, top_ids
 
 
 @dataclass
@@ -134,6 +134,15 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """From fp32 logits [B, vocab] (before temperature and filters): the chosen tokens' log-probabilities [B],
     and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the vocabulary."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top = lp.topk(k, dim=-1, sorted=True)
-    return lp.gather(1, tokens[:, None]).squeeze(1), top.indices, top.values
+    logits = logits.float()
+    lp = torch.log_softmax(logits, dim=-1)
+    k = min(k, lp.shape[-1])
+    # ranked as the draws rank the logits (value descending, the lower id first among equal values), so the
+    # greedy token comes first and the top k are the first k of the top k + 1 (torch.topk orders ties anyhow)
+    ops = _kernels(logits) if k <= TOPK_MAX_K else None
+    if ops is not None:
+        rows = torch.arange(lp.shape[0], device=lp.device)
+        ids = ops.topk_candidates(logits, rows, torch.ones(lp.shape[0], device=lp.device), k)
+    else:
+        ids = top_ids(logits, k)
+    return lp.gather(1, tokens[:, None]).squeeze(1), ids, lp.gather(1, ids)

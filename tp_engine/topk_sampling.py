@@ -46,11 +46,13 @@ def _mask_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     cols = torch.arange(vals.shape[-1], device=vals.device)
     vals = vals.masked_fill(cols[None, :] >= top_k[:, None], float("-inf"))
     probs = vals.softmax(-1)
-    drop = probs.cumsum(-1) - probs > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+    # keep the smallest prefix whose mass reaches top_p: a token goes once the mass before it does (as in
+    # transformers); top_p = 1 keeps every token even where that sum rounds to 1
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)
     return vals.masked_fill(drop, float("-inf"))
 
 
-def _order_key(x: torch.Tensor) -> torch.Tensor:
+def order_key(x: torch.Tensor) -> torch.Tensor:
     """One int64 per token that orders like (value descending, id ascending): float bits made monotonic in
     the high half, the reversed id in the low half. No two tokens share a key, so torch.topk's order is exact."""
     bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, so equal values get equal bits
@@ -59,18 +61,23 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)  # in place: [R, vocab] int64 once
 
 
+def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids [R, k] of each row's k largest values of x [R, vocab] in the order of `order_key`."""
+    return order_key(x).topk(k, dim=-1, sorted=True).indices
+
+
 def candidate_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
                    max_k: int) -> torch.Tensor:
     """x [R, vocab] (logits / temperature); top_k [R] int64 in [1, vocab], max_k >= every top_k (a host int, so
     no wait for the device); top_p [R] fp32; rows [R] the noise hash starts. Returns the chosen ids [R]."""
     vocab = x.shape[-1]
-    ids = _order_key(x).topk(min(max_k, vocab), dim=-1, sorted=True).indices
+    ids = top_ids(x, min(max_k, vocab))
     return draw_among(x.gather(1, ids), ids, top_k, top_p, rows, vocab)
 
 
 def draw_among(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
                vocab: int) -> torch.Tensor:
-    """The draw of `candidate_draw` from its candidates: ids [R, C] in the order of `_order_key` (on CUDA from
+    """The draw of `candidate_draw` from its candidates: ids [R, C] in the order of `order_key` (on CUDA from
     kernels/sampling.topk_candidates), vals [R, C] their values of x."""
     return _gumbel_pick(_mask_sorted(vals, top_k, top_p), ids, rows, vocab)
 

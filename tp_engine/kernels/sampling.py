@@ -43,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks, K: tl.constexpr,
                           BLOCK: tl.constexpr):
-        """The K largest order keys (topk_sampling._order_key of logits / temperature) of one chunk of a row."""
+        """The K largest order keys (topk_sampling.order_key of logits / temperature) of one chunk of a row."""
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         row = tl.load(rows_ptr + r).to(tl.int64)
@@ -83,7 +83,9 @@ if triton is not None:
             p_i = tl.sum(tl.where(c == i, probs, 0.0), axis=0)  # exact: one term is not zero
             total += p_i.to(tl.float64)
             before = tl.where(c == i, tl.sum(total, axis=0).to(tl.float32) - p_i, before)
-        x = tl.where(before > tl.load(p_ptr + r), float("-inf"), x)
+        top_p = tl.load(p_ptr + r)
+        top_p = tl.where(top_p < 1.0, top_p, float("inf"))  # 1: keep all (topk_sampling._mask_sorted)
+        x = tl.where(before >= top_p, float("-inf"), x)
         g = _gumbel(x, tl.load(hash_ptr + r).to(tl.uint32), ids)
         best = tl.max(g, axis=0)
         tl.store(out_ptr + r, tl.min(tl.where(g == best, ids, 1 << 62), axis=0))
