@@ -103,6 +103,8 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
     with pytest.raises(TypeError):
         llm.generate(5)
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down; create a new LLM"):
+        llm.generate("Alice")
 
 
 # ---- mistakes in the config's structure, and values no run can use ----
@@ -112,6 +114,18 @@ def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
     conf.write_text(f"model: {DEMO}\nsampling:\n  temperature: 0.7\nprompts: [hi]\nsampling:\n  max_new_tokens: 4\n")
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 2 and "key 'sampling' is given twice (lines 2 and 5)" in err, err
+
+
+def test_yaml_merge_keys_are_read_and_unhashable_keys_refused(tmp_path, capsys):
+    conf = tmp_path / "run.yaml"  # `<<: *anchor` is plain YAML; the duplicate-key check used to refuse it
+    conf.write_text(f"model: {DEMO}\nprompts: [&p {{messages: [{{role: user, content: hi}}]}}, {{<<: *p}}]\n")
+    first, second = build_config(str(conf))["prompts"]
+    assert first == second == {"messages": [{"role": "user", "content": "hi"}]}
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\n[a]: 1\n")  # a key that is a list: one message, no traceback
+    code, err = cli(capsys, "--config", str(conf), "--print-config")
+    assert code == 2 and "is not valid YAML" in err and "found unhashable key" in err, err
+    with pytest.raises(ConfigError, match="--set prompts"):
+        build_config(model=str(DEMO), overrides=["prompts=[{[1]: 2}]"])
 
 
 SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error

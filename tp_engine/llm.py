@@ -72,6 +72,8 @@ class LLM:
         call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
         engine then refuses every later call."""
         # Checks that can fail run on every rank before any collective, so all ranks fail alike.
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new LLM to generate again")
         self.engine.check_usable()
         prompts = list(prompts) if encoded is not None else as_list(prompts)
         params = sampling_params if sampling_params is not None else sampling_params_from(self.cfg)

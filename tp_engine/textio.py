@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,12 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: the loader merges it below
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # as PyYAML reports it, not a TypeError
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        "found unhashable key", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' is given twice (lines {seen[key]} and {key_node.start_mark.line + 1})",
