@@ -134,6 +134,8 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "entry_of_a_mapping_key": (["chat_template_kwargs={a: 1}", "chat_template_kwargs.enable_thinking=false"],
                                ("chat_template_kwargs", {"a": 1, "enable_thinking": False})),
     "exponent_without_a_point": (["sampling.temperature=1e-3"], ("sampling", {"temperature": 0.001})),
+    "bare_off_in_yaml": (["advanced.fused_kernels=off"], ("advanced", {"fused_kernels": "off"})),  # YAML: false
+    "bare_on_in_yaml": (["advanced.fused_kernels=on"], ("advanced", {"fused_kernels": "on"})),
     "home_folder": (["output=~/runs/out.jsonl"], ("output", str(Path.home() / "runs" / "out.jsonl"))),
     "section_as_number": (["kv_cache=4"], "config key 'kv_cache' must be a mapping of its keys (such as "
                                           "'kv_cache.page_size'); got 4"),

@@ -53,10 +53,6 @@ def _timeout(v):
     return None if 1 <= v <= MAX_TIMEOUT_S else f"must be between 1 and {MAX_TIMEOUT_S} (30 days)"
 
 
-def _top_p(v):
-    return None if 0 < v <= 1 else "must be in (0, 1]"
-
-
 def _fraction(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
@@ -93,7 +89,8 @@ _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,),
 SCHEMA: dict[str, Key] = {
     "model": Key(_STR, None, "checkpoint directory (config.json + safetensors; tokenizer files for text prompts)"),
     "load_format": Key(_STR, "auto", "auto: safetensors from `model`; dummy: random weights from config.json alone", ("auto", "dummy")),
-    "dtype": Key(_STR, "auto", "weights and activations; auto = bfloat16 on CUDA, float32 on CPU", ("auto", "float32", "float16", "bfloat16")),
+    "dtype": Key(_STR, "auto", "weights and activations; auto = the checkpoint's float16 or bfloat16 on CUDA (else "
+                 "bfloat16), float32 on CPU", ("auto", "float32", "float16", "bfloat16")),
     "device": Key(_STR, "auto", "auto = cuda if available, else cpu", ("auto", "cpu", "cuda")),
     "seed": Key(_INT, 0, "seed for sampling and dummy weights, 0 <= seed < 2**32", check=_seed),
     "attention_backend": Key(_STR, "auto", "auto = flashinfer on CUDA, torch on CPU", ("auto", "flashinfer", "torch")),
@@ -115,7 +112,7 @@ SCHEMA: dict[str, Key] = {
     "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "fraction of free GPU memory (after weights) the KV pool takes", check=_fraction),
     "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_temperature),
     "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=_non_negative),
-    "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=_top_p),
+    "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=_fraction),
     "sampling.max_new_tokens": Key(_INT, 64, "most tokens generated per prompt", check=_positive),
     "sampling.ignore_eos": Key(_BOOL, False, "keep generating past EOS tokens"),
     "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=_id_list),
@@ -133,8 +130,8 @@ SCHEMA: dict[str, Key] = {
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
     "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_timeout),
-    "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA at TP > 1: auto = push, else "
-                               "symm, else nccl; push or symm = that one, else nccl", ("auto", "push", "symm", "nccl")),
+    "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA: auto = at TP 2 push, else symm, else "
+                               "nccl, at TP > 2 nccl; push = push, else symm, else nccl; symm = symm, else nccl", ("auto", "push", "symm", "nccl")),
     "advanced.fused_kernels": Key(_STR, "auto", "fused Triton kernels on CUDA: auto = used when Triton imports and their "
                                   "self-test passes on every rank; on = the same, but a failure stops the start-up; "
                                   "off = torch ops", ("auto", "on", "off")),
@@ -227,6 +224,8 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
     for k, v in flat.items():
         if k not in SCHEMA:
             raise _unknown(k)
+        if isinstance(v, bool) and SCHEMA[k].choices and "off" in SCHEMA[k].choices:
+            v = "on" if v else "off"  # YAML 1.1 reads a bare on / off as true / false
         if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
             v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
         _set_dotted(cfg, k, v)
