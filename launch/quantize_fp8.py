@@ -65,15 +65,23 @@ def plan(src: Path, skip: QuantConfig) -> list[tuple[str, Path, bool, int]]:
                 for d in shape:
                     numel *= d
                 module = name.rsplit(".", 1)[0]  # the engine asks about a MoE layer's experts as one module
-                q = is_quantizable(name, shape) and not (skip.skips(module) or skip.skips(engine_matmul(name)))
+                experts = ".mlp.experts." in name and skip.skips(engine_matmul(name))
+                q = is_quantizable(name, shape) and not (skip.skips(module) or experts)
                 blocks = -(-shape[0] // BLOCK) * -(-shape[-1] // BLOCK) if q else 0
                 out.append((name, file, q, numel + 4 * blocks if q else numel * size))
     return out
 
 
-def check_skips(tensors: list[tuple[str, Path, bool, int]]) -> None:
-    """Refuse a --modules-to-not-convert that keeps only part of one engine matmul unquantized (the engine
-    could not load the result), before any time is spent quantizing."""
+def check_skips(tensors: list[tuple[str, Path, bool, int]], skip: QuantConfig) -> None:
+    """Refuse, before any time is spent quantizing, a --modules-to-not-convert entry that names no module of
+    the checkpoint (the engine's fused qkv_proj, say: the engine and transformers match checkpoint names), and
+    one that keeps only part of one engine matmul unquantized (the engine could not load the result)."""
+    modules = {name.rsplit(".", 1)[0] for name, *_ in tensors}
+    modules |= {engine_matmul(name) for name in modules if ".mlp.experts." in name + "."}  # a layer's experts
+    for entry in skip.modules_to_not_convert:
+        if not any(QuantConfig(modules_to_not_convert=(entry,)).skips(m) for m in modules):
+            raise SystemExit(f"--modules-to-not-convert {entry}: no module of the checkpoint has that name; use "
+                             "the checkpoint's names (q_proj, k_proj, v_proj, gate_proj, up_proj, mlp.experts, ...)")
     quantized: dict[str, dict[str, bool]] = {}
     for name, _, q, _ in tensors:
         if is_quantizable(name, (1, 1)):
@@ -101,7 +109,7 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
         raise SystemExit(f"{src_dir / 'config.json'} already has a quantization_config")
     skip = QuantConfig(modules_to_not_convert=tuple(modules_to_not_convert))
     tensors = plan(src_dir, skip)
-    check_skips(tensors)
+    check_skips(tensors, skip)
     shards, size = [[]], 0
     for entry in tensors:
         if shards[-1] and size + entry[3] > shard_bytes:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from helpers import hf_generate, make_checkpoint, run_cli
 from tp_engine.llm import LLM
 from tp_engine.comm import StartupError
-from tp_engine.loader import SliceSource
+from tp_engine.loader import CheckpointError, SliceSource, checkpoint_files
 from tp_engine.sampler import SamplingParams
 
 PROMPTS = [[5, 17, 300, 42, 8], [1, 2, 3]]
@@ -99,3 +99,15 @@ def test_float8_tensors_in_a_module_kept_unquantized_name_the_key(tmp_path):
     with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as h, pytest.raises(ValueError) as e:
         SliceSource(h, "w")
     assert "modules_to_not_convert" in str(e.value)
+
+
+def test_a_weight_file_that_is_a_broken_link_or_an_index_that_is_not_utf8_is_named(tmp_path):
+    """A cached snapshot whose blob is gone used to be reported as missing from an index that does not exist;
+    an index that is not UTF-8 gave a bare codec error naming no file."""
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "gone")
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable file"):
+        checkpoint_files(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a valid safetensors index"):
+        checkpoint_files(str(tmp_path))

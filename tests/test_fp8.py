@@ -302,6 +302,10 @@ def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
                             modules_to_not_convert=("model.layers.0.mlp.gate_proj",))
     assert "model.layers.0.mlp.gate_proj unquantized but not the rest of model.layers.0.mlp.gate_up_proj" in str(e.value)
     assert not (tmp_path / "out").exists()
+    for fused in ("qkv_proj", "model.layers.0.mlp.gate_up_proj"):  # the engine's names, not the checkpoint's
+        with pytest.raises(SystemExit, match=f"--modules-to-not-convert {fused}: no module of the checkpoint"):
+            quantize_checkpoint(str(ckpts["src"]), str(tmp_path / "out"), modules_to_not_convert=(fused,))
+    assert not (tmp_path / "out").exists()
     assert engine_matmul("model.layers.3.mlp.experts.17.down_proj.weight") == "model.layers.3.mlp.experts"
     assert engine_matmul("model.layers.3.self_attn.v_proj.weight") == "model.layers.3.self_attn.qkv_proj"
 

@@ -50,7 +50,7 @@ for dt in (torch.float32, torch.bfloat16):
         paths = {}
         if n <= moe.GEMV_MAX_TOKENS:
             paths["gemv"] = lambda: moe.moe_gemv(x, gate_up, down, weights, ids)
-            tiles = max(len(moe.GEMV_TILES), len(moe.DOWN_TILES))
+            tiles = max(len(moe.GEMV_TILES), len(moe.DOWN_TILES)) if n == 1 else 0  # one token: the GPU's case
             for i in range(tiles):  # every tile the GPU may pick
                 t, d = moe.GEMV_TILES[i % len(moe.GEMV_TILES)], moe.DOWN_TILES[i % len(moe.DOWN_TILES)]
                 paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(moe._gate_up(x, gate_up, ids, t), down, ids,

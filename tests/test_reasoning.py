@@ -85,6 +85,12 @@ def test_split_reasoning_rules():
     assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")  # the prompt opened it
     assert split_reasoning("thought</think> answer", open_think=True) == ("thought", "answer")
     assert split_reasoning("Just an answer.") == ("", "Just an answer.")  # thinking turned off in the prompt
+    # the answer keeps its first line's indentation (code); a <think> written inside the reasoning stays
+    assert split_reasoning("<think>a</think>\n\n    x = 1\n") == ("a", "    x = 1\n")
+    assert split_reasoning("<think>a</think>  \n \n  - item") == ("a", "  - item")
+    assert split_reasoning("what <think> means</think>A tag.", open_think=True) == ("what <think> means", "A tag.")
+    assert split_reasoning("what <think> means", open_think=True) == ("what <think> means", "")
+    assert split_reasoning("<think>\nwhat <think> is</think>ok") == ("what <think> is", "ok")
 
 
 def test_only_the_generation_prompt_opens_thinking():

@@ -31,9 +31,9 @@ class SliceSource:
         dtype = self.slice.get_dtype()
         if dtype not in FLOAT_DTYPES and not (fp8 and dtype == FP8_DTYPE):
             allowed = ", ".join([*FLOAT_DTYPES.values(), *(["float8_e4m3fn"] if fp8 else [])])
-            hint = ("; float8 weights with weight_scale_inv are a block-FP8 checkpoint, which needs its "
-                    "quantization_config in config.json, with this module not in its modules_to_not_convert"
-                    if dtype == FP8_DTYPE and not fp8 else "")
+            hint = ("; float8 weights belong only to the linear layers of a block-FP8 checkpoint (its "
+                    "quantization_config in config.json, the module not in modules_to_not_convert): embeddings, "
+                    "norms, the LM head and the MoE router stay unquantized" if dtype == FP8_DTYPE and not fp8 else "")
             raise ValueError(f"dtype {dtype} is not supported; weights must be {allowed}{hint}")
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -81,16 +81,18 @@ def checkpoint_files(model_dir: str) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise TypeError("'weight_map' must map tensor names to file names")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # ValueError: not JSON, or not UTF-8
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         files = [root / f for f in dict.fromkeys(weight_map.values())]
+        gone = f"listed in {index.name} is missing"
     else:
         files = sorted(root.glob("*.safetensors"))
+        gone = "is not a readable file (a link whose target is gone?)"
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_dir} (set load_format: dummy for random weights)")
     for f in files:
         if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} listed in model.safetensors.index.json is missing")
+            raise CheckpointError(f"checkpoint file {f} {gone}")
     return files
 
 

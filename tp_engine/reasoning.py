@@ -32,11 +32,15 @@ def opens_thinking(prompt_ids: list[int], tags: tuple[int, int], decode: Callabl
 
 def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
     """(reasoning, answer) of an output's text: the reasoning is what lies inside `<think>...</think>`, stripped;
-    the answer what follows `</think>`, without its leading blank lines. A think block that never ends (the
-    length limit came first) is all reasoning; an output that does not think is all answer."""
+    the answer what follows `</think>`, without its leading blank lines (or the spaces before it on the tag's
+    line), its first line's indentation kept. A think block that never ends (the length limit came first) is all
+    reasoning; an output that does not think is all answer. `<think>` written inside the reasoning stays."""
     head, closed, tail = text.partition(THINK_END)
-    if closed:
-        return head.replace(THINK_START, "", 1).strip(), tail.lstrip()
-    if open_think or text.lstrip().startswith(THINK_START):
-        return text.replace(THINK_START, "", 1).strip(), ""
-    return "", text
+    if not closed and not (open_think or text.lstrip().startswith(THINK_START)):
+        return "", text
+    head = head.strip()
+    if head.startswith(THINK_START):  # the tag that opens the block, not one written inside it
+        head = head[len(THINK_START):]
+    lead = len(tail) - len(tail.lstrip())
+    cut = tail.rfind("\n", 0, lead) + 1 or lead  # after the last line break among the leading blanks
+    return head.strip(), tail[cut:] if closed else ""
