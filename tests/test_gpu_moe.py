@@ -118,6 +118,23 @@ def test_fused_moe_in_a_cuda_graph(n):
 
 # ---- whole engine ----
 
+def test_router_logits_do_not_depend_on_a_ranks_kernel_timing(monkeypatch):
+    """The router is replicated: every rank must route a token alike. At one token its matmul takes one fixed
+    GEMV tile, not the kernel each rank's timing picked (here: a rank whose timing chose cuBLAS)."""
+    from tp_engine.kernels import gemv
+    from tp_engine.layers.moe import TopKRouter
+
+    router = TopKRouter(2048, 128, 8, True).to(DEV, BF16)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(1, 2048, device=DEV, dtype=BF16)
+    monkeypatch.setitem(gemv._GEMV_CHOICE, (tuple(router.weight.shape), BF16, DEV.index), "torch")
+    expected = gemv._gemv(x, router.weight, gemv.REPLICATED_CONFIG)
+    seen = []
+    monkeypatch.setattr(gemv, "_gemv", lambda *a: seen.append(a[2]) or expected)
+    router(x)
+    assert seen == [gemv.REPLICATED_CONFIG]
+
+
 def test_bf16_greedy_matches_hf(moe_ckpt, hf_moe, hf_moe_ref):
     needs_flashinfer()
     m = llm(moe_ckpt)

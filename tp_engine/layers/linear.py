@@ -17,12 +17,14 @@ from tp_engine.comm import all_reduce, get_tp
 from tp_engine.kernels import fused_ops
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (kernels/gemv.py)."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           replicated: bool = False) -> torch.Tensor:
+    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (kernels/gemv.py). replicated: the
+    weight is whole on every rank, which must all get the same bits (no kernel chosen by each rank's timing)."""
     if bias is None and x.is_cuda:
         ops = fused_ops(x.device)
         if ops is not None:
-            return ops.linear(x, weight)
+            return ops.linear(x, weight, replicated)
     return F.linear(x, weight, bias)
 
 

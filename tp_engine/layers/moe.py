@@ -32,7 +32,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (routing weights [N, k] in x's dtype, expert ids [N, k]), largest weight first."""
-        logits = matmul(x, self.weight)
+        logits = matmul(x, self.weight, replicated=True)  # every rank must pick the same experts
         ops = fused_ops(x.device)
         if ops is not None:
             return ops.moe_topk_softmax(logits, self.top_k, self.renormalize)
