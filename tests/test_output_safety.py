@@ -199,6 +199,26 @@ def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
     assert f"stopped by SIGINT: {len(lines)} finished results were printed to stdout" in err
 
 
+def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
+    """Rank 0 prints the results to stdout at the end; a Ctrl-C then (here while a reader has not yet drained
+    the pipe) used to print them all again from the signal handler: lines twice, one cut and glued to the next."""
+    cfg = long_cfg(ckpt, None, n=40, max_new_tokens=8)
+    cfg["sampling"]["logprobs"] = 20  # about 4 KB a line: more than a pipe holds
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err_file:
+        proc = start_job(cfg, tmp_path, nproc=1, stderr=err_file)
+        try:
+            head = os.read(proc.stdout.fileno(), 100).decode()  # printing has begun; it waits for the pipe now
+            time.sleep(1.5)
+            os.killpg(proc.pid, signal.SIGINT)
+            stdout, _ = proc.communicate(timeout=60)
+        finally:
+            kill_job(proc)
+    lines = [json.loads(line) for line in (head + stdout).splitlines()]
+    assert [line["index"] for line in lines] == list(range(40)), log.read_text()[-3000:]
+    assert "stopped by SIGINT after the results were printed" in log.read_text()
+
+
 # ---- resume ----
 
 @pytest.fixture(scope="module")
@@ -249,3 +269,31 @@ def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_pat
     assert [line["finish_reason"] for line in lines] == ["length"] * 3
     assert (lines[0], lines[2]) == (first[0], first[2])  # finished lines are kept as they were
     assert json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])["resumed_skipped"] == 2
+
+
+def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_the_request_limit(ckpt, tmp_path):
+    """A last line without its newline was dropped unread: another tool's file was then replaced silently. A
+    line that ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with
+    another pool changes: it runs again. Replacing the weights in place changes `run`."""
+    from tp_engine.config import ConfigError, build_config
+    from tp_engine.results import read_for_resume, run_id, run_settings
+
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    settings = run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}), "float32", 1)
+    run = run_id(settings)
+    line = {"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8, "finish_reason": "length",
+            "run": run}
+    cut = {**line, "index": 1, "output_token_ids": [3] * 5}  # max_new_tokens is 8
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(line) + "\n" + json.dumps(cut))  # no final newline
+    done, retry = read_for_resume(out, "out.jsonl", [[1, 2], [1, 2]], settings)
+    assert list(done) == [(0, 0)] and retry == [cut]
+    out.write_text(json.dumps({"loss": 0.5}))  # another tool's file, one line, no final newline
+    with pytest.raises(ConfigError, match="line 1 is not a result line"):
+        read_for_resume(out, "out.jsonl", [[1, 2]], settings)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b" ")  # a new export written over the old one
+    assert run_id(run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}), "float32",
+                               1)) != run
+

@@ -110,6 +110,7 @@ class Preflight:
 
 
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
+_LATE: list[int] = []  # a signal that came while rank 0 printed the results: it exits once they are out
 
 
 def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, quiet: bool = False) -> int:
@@ -149,6 +150,10 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
                            encoded=preflight.encoded)
     seconds = time.perf_counter() - t0
     sink.close()
+    if _LATE:
+        print(f"\nstopped by {signal.Signals(_LATE[0]).name} after the results were printed", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + _LATE[0])
     if preflight.lock is not None:
         preflight.lock.release()
     n_out = sum(len(o["output_token_ids"]) for o in outputs)
@@ -208,6 +213,9 @@ def install_signal_handlers(rank: int) -> None:
     stopping = threading.Lock()
 
     def stop(signum, frame):
+        if frame is not None and rank == 0 and _SINK is not None and _SINK.printing and not _LATE:
+            _LATE.append(signum)  # let close() finish printing (a line cut short would be lost): run() exits
+            return
         if not stopping.acquire(blocking=False):
             return  # already stopping (a second Ctrl-C, or the other thread below)
         if rank == 0:
@@ -231,6 +239,8 @@ def install_signal_handlers(rank: int) -> None:
             signum = os.read(read_end, 1)[0]
             if signum in (signal.SIGINT, signal.SIGTERM):
                 time.sleep(1.0)  # the main thread's handler normally exits first
+                if _LATE:  # the main thread is printing the results and exits after
+                    continue
                 stop(signum, None)
 
     threading.Thread(target=watch, name="signal-watch", daemon=True).start()

@@ -24,6 +24,9 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
     for name in ("config.json", "generation_config.json"):
         f = model / name
         settings[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
+    if cfg["load_format"] != "dummy":  # weights written again in place (a new export): their size and time
+        settings["weights"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+                               for f in sorted(model.glob("*.safetensors")) if f.is_file()]
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
     # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
     # on, so that lines written before the key existed keep their `run`.
@@ -59,11 +62,14 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
     lines are always retried.
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
     lines = target.read_bytes().split(b"\n")
-    lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash
+    last = lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash ...
+    if _parses(last):  # ... or a whole one without its newline (another tool's file): checked like the others
+        lines.append(last)
     done: dict[tuple[int, int], dict] = {}
     retry: list[dict] = []
     problems: list[str] = []
     this_run, saved = run_id(settings), _saved_settings(target)
+    max_new = settings.get("sampling.max_new_tokens", 0)
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -89,6 +95,8 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
             problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
         elif out["prompt_token_ids"] != encoded[i]:
             problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
+        elif out.get("finish_reason") == "length" and len(out.get("output_token_ids") or ()) < max_new:
+            retry.append(out)  # cut by the request limit, which depends on the KV pool: run again under this one
         else:
             done[i, j] = out
     if problems:
@@ -96,6 +104,14 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
         raise ConfigError(f"resume: {shown}: {problems[0]} ({count}); nothing was changed. Use a new output, "
                           "or resume: false to replace it")
     return done, [r for r in retry if key(r) not in done]
+
+
+def _parses(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8"))
+    except ValueError:  # not UTF-8, or not JSON
+        return False
+    return bool(raw.strip())
 
 
 def _saved_settings(target: Path) -> dict:
@@ -134,6 +150,7 @@ class ResultSink:
         self.retry = list(retry or [])
         self.new = 0
         self.file = None
+        self.printing = False  # close() is printing the results to stdout
 
     def add(self, out: dict) -> None:
         out = {**out, "run": self.run}
@@ -161,14 +178,17 @@ class ResultSink:
                 write_settings(self.target, self.run, self.settings)
             write_lines(self.target, ordered)
         elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
+            self.printing = True
             for out in ordered:
                 place = f"{out['index']}.{out['sample']}" if out.get("sample") else out["index"]
                 head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
                 body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
         else:
+            self.printing = True
             for out in ordered:
                 print(json.dumps(out))
+            sys.stdout.flush()
 
     def on_stop(self) -> str:
         """The run is being stopped by a signal: keep what finished, and say where it is."""
@@ -176,6 +196,8 @@ class ResultSink:
             if self.new == 0 and not self.done_keys:
                 return f"no result had finished; {self.shown} was left as it was"
             return f"finished results are in {self.shown}; run again with resume: true to continue"
+        if self.printing:  # a second signal while close() printed them: stdout may end in a partial line
+            return "stopped while the results were printed to stdout; the last line may be cut short"
         for i in sorted(self.results):
             sys.stdout.write(json.dumps(self.results[i]) + "\n")
         sys.stdout.flush()
