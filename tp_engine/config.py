@@ -130,8 +130,9 @@ SCHEMA: dict[str, Key] = {
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
     "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_timeout),
-    "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA: auto = at TP 2 push, else symm, else "
-                               "nccl, at TP > 2 nccl; push = push, else symm, else nccl; symm = symm, else nccl", ("auto", "push", "symm", "nccl")),
+    "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA: auto = at TP 2 push, else "
+                               "symm, else nccl, at TP > 2 nccl; push = push, else symm, else nccl; symm = symm, "
+                               "else nccl", ("auto", "push", "symm", "nccl")),
     "advanced.fused_kernels": Key(_STR, "auto", "fused Triton kernels on CUDA: auto = used when Triton imports and their "
                                   "self-test passes on every rank; on = the same, but a failure stops the start-up; "
                                   "off = torch ops", ("auto", "on", "off")),

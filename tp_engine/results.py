@@ -59,7 +59,7 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
 
     A finished line is kept only if this run would write it: its index is in the prompt list, its sample below
     `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error
-    lines are always retried.
+    lines are always retried, and so are lines cut by the request limit (`length` before max_new_tokens).
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
     lines = target.read_bytes().split(b"\n")
     last = lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash ...
