@@ -31,9 +31,10 @@ class SliceSource:
         dtype = self.slice.get_dtype()
         if dtype not in FLOAT_DTYPES and not (fp8 and dtype == FP8_DTYPE):
             allowed = ", ".join([*FLOAT_DTYPES.values(), *(["float8_e4m3fn"] if fp8 else [])])
-            hint = ("; float8 weights belong only to the linear layers of a block-FP8 checkpoint (its "
-                    "quantization_config in config.json, the module not in modules_to_not_convert): embeddings, "
-                    "norms, the LM head and the MoE router stay unquantized" if dtype == FP8_DTYPE and not fp8 else "")
+            hint = ("; float8 weights with weight_scale_inv belong only to the linear layers of a block-FP8 "
+                    "checkpoint (its quantization_config in config.json, the module not in modules_to_not_convert): "
+                    "embeddings, norms, the LM head and the MoE router stay unquantized"
+                    if dtype == FP8_DTYPE and not fp8 else "")
             raise ValueError(f"dtype {dtype} is not supported; weights must be {allowed}{hint}")
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
