@@ -169,3 +169,20 @@ def test_kernels_compile_for_sm90():
             assert "async_copy" in k.asm["ttgir"], f"{what}: the k-loop is not pipelined"
             if consts["SWAP"] and consts["BLOCK_N"] >= 64:  # the weight rows fill Hopper's wgmma
                 assert "warp_group_dot" in k.asm["ttgir"], what
+
+
+def test_fp32_activations_never_take_the_fp16_operand_gemms():
+    """The GEMMs hold their operands in fp16, exact for bf16 and fp16 activations only: with dtype float32 a
+    matmul of several tokens rounded each activation to 11 bits (2e-4 relative error). fp32 takes the GEMV or
+    the dequantized weight. No rows: an empty result, not a GEMV launch for one row."""
+    import torch
+
+    from tp_engine.kernels import fp8
+
+    for bucket in (0, *fp8.BUCKETS):
+        for w8a8 in (False, True):
+            kinds = {kind for kind, _ in fp8._candidates(bucket, w8a8, fp32=True)}
+            assert kinds == ({"gemv"} if bucket == 1 else {"dequant"}), (bucket, w8a8, kinds)
+    w = torch.zeros(40, 96, dtype=torch.float8_e4m3fn)
+    out = fp8.linear(torch.zeros(0, 96), w, torch.ones(1, 1), torch.zeros(40, dtype=torch.int32), 0, 8, False)
+    assert out.shape == (0, 40)

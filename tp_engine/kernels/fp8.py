@@ -107,7 +107,9 @@ def _bucket(m: int) -> int:
     return next((b for b in BUCKETS if m <= b), 0)
 
 
-def _candidates(bucket: int, w8a8: bool) -> list[tuple]:
+def _candidates(bucket: int, w8a8: bool, fp32: bool = False) -> list[tuple]:
+    if fp32:  # the GEMMs' fp16 operands hold bf16 and fp16 activations exactly, not fp32 ones
+        return [("gemv", c) for c in GEMV_CONFIGS] if bucket == 1 else [("dequant", None)]
     if bucket == 0:
         return [("pre", PRE_CONFIGS[0])] if w8a8 else [("dequant", None)]
     if bucket == 1:
@@ -134,7 +136,7 @@ def _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket) -> tu
     copies = min(64, max(1, -(-3 * l2 // weight.numel())))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     best, best_t = None, float("inf")
-    for choice in _candidates(bucket, w8a8):
+    for choice in _candidates(bucket, w8a8, x.dtype == torch.float32):
         try:
             t = _time(lambda w: _run(choice, xs, w, scale, scale_row, k_shift, row_align, w8a8), weights)
         except Exception:  # a tile this shape or GPU cannot run (shared memory, registers)
@@ -153,12 +155,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row
     row changes (layers/fp8.py). w8a8 (config key advanced.fp8_gemm): the GEMMs quantize the activations to
     fp8 per token and k-block; the GEMV is weight-only in both cases."""
     x = x.contiguous()
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.shape[0]))
     bucket = _bucket(x.shape[0])
     key = (tuple(weight.shape), k_shift, row_align, bucket, w8a8, x.dtype, x.device.index)
     choice = _CHOICE.get(key)
     if choice is None:
         if bucket == 0 or torch.cuda.is_current_stream_capturing():
-            choice = _candidates(bucket, w8a8)[0]
+            choice = _candidates(bucket, w8a8, x.dtype == torch.float32)[0]
         else:
             choice = _CHOICE[key] = _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket)
     return _run(choice, x, weight, scale, scale_row, k_shift, row_align, w8a8)
