@@ -77,7 +77,7 @@ def check_skips(tensors: list[tuple[str, Path, bool, int]], skip: QuantConfig) -
     the checkpoint (the engine's fused qkv_proj, say: the engine and transformers match checkpoint names), and
     one that keeps only part of one engine matmul unquantized (the engine could not load the result)."""
     modules = {name.rsplit(".", 1)[0] for name, *_ in tensors}
-    modules |= {engine_matmul(name) for name in modules if ".mlp.experts." in name + "."}  # a layer's experts
+    modules |= {engine_matmul(name) for name, *_ in tensors if ".mlp.experts." in name}  # a layer's experts
     for entry in skip.modules_to_not_convert:
         if not any(QuantConfig(modules_to_not_convert=(entry,)).skips(m) for m in modules):
             raise SystemExit(f"--modules-to-not-convert {entry}: no module of the checkpoint has that name; use "

@@ -25,8 +25,8 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
         f = model / name
         settings[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
     if cfg["load_format"] != "dummy":  # weights written again in place (a new export): their size and time
-        settings["weights"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
-                               for f in sorted(model.glob("*.safetensors")) if f.is_file()]
+        stats = [(f.name, f.stat()) for f in sorted(model.glob("*.safetensors")) if f.is_file()]
+        settings["weights"] = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
     # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
     # on, so that lines written before the key existed keep their `run`.
