@@ -1,6 +1,8 @@
 """Inputs read defensively, and the Python API as strict as the config: UTF-8 and JSONL lines, config.json
 field types, SamplingParams by the config's own rules, generate() with one prompt. In-process: no torchrun."""
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,56 @@ def test_prompts_file_lines_end_at_newlines_only(tmp_path, capsys):
     assert code == 0, err
     from tp_engine.prompts import read_prompts
     assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"}, {"input_ids": [1, 2]}]
+
+
+def test_unreadable_config_or_prompts_file_is_one_message(tmp_path, capsys, monkeypatch):
+    """A file the user may not read, or a folder given as one: one line and exit 2, not a traceback."""
+    conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n')
+    real = Path.read_bytes
+    for denied in (pf, conf):  # as a user without read permission sees it (tests may run as root, which may read)
+        def read_bytes(path, denied=denied):
+            if Path(path) == denied:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path)
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        code, err = cli(capsys, "--config", str(conf), "--print-config")
+        assert (code, err) == (2, f"error: {denied}: cannot read it: Permission denied\n")
+    monkeypatch.undo()
+    code, err = cli(capsys, "--config", str(conf), "--print-config", "--set", f"prompts_file={tmp_path}")
+    assert (code, err) == (2, f"error: config key 'prompts_file': not a regular file: {tmp_path}\n")
+
+
+def test_a_key_given_twice_in_a_prompts_file_line_is_refused(tmp_path, capsys):
+    conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n{"prompt": "b", "prompt": "c"}\n')
+    code, err = cli(capsys, "--config", str(conf), "--print-config")
+    assert (code, err) == (2, f"error: {pf} line 2: key 'prompt' is given twice in one object\n")
+
+
+def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp_path):
+    """--set wins over the file: its `prompts` replaces the file's `prompts_file`, and the other way round."""
+    conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n')
+    cfg = build_config(str(conf), overrides=["prompts=[hello]"])
+    assert (cfg["prompts"], cfg["prompts_file"]) == (["hello"], None)
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\n")
+    cfg = build_config(str(conf), overrides=[f"prompts_file={pf}"])
+    assert (cfg["prompts"], cfg["prompts_file"]) == (None, str(pf))
+    from tp_engine.prompts import read_prompts
+    with pytest.raises(ConfigError, match="both are set"):  # one layer giving both is still a contradiction
+        read_prompts(build_config(str(conf), overrides=["prompts=[hello]", f"prompts_file={pf}"]))
+
+
+def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
+    """A key that is not a string used to crash every rank (the config hash sorts keys); two prompt keys in one
+    object were resolved silently; a lone surrogate gave the tokenizer's TypeError."""
+    prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
+               {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob"]
+    proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path)
+    assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-2000:]  # finished, with errors
+    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length"]
+    assert lines[1]["error"] == "a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got " \
+                                "['prompt', 'input_ids']"
+    assert lines[2]["error"] == "the prompt is not valid Unicode: a lone surrogate \\ud83d at character 3"
+    assert lines[3]["error"] == "message 0's content is not valid Unicode: a lone surrogate \\ud800 at character 1"
 
 
 # ---- config.json ----
@@ -144,6 +196,8 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "template_argument_of_the_engine": (["chat_template_kwargs={add_generation_prompt: false}"],
                                         "cannot set add_generation_prompt: the engine passes those itself"),
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
+    "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
+                                       "config key 'chat_template_kwargs' must have string keys"),
 }
 
 
@@ -188,6 +242,27 @@ def test_results_file_is_left_alone_when_a_run_has_no_result(tmp_path):
     ResultSink(out, str(out), {"model": "m"}).close()
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
     assert not (tmp_path / "out.jsonl.run.json").exists()
+
+
+def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path, monkeypatch):
+    """A read-only output used to be replaced at the first result and the run then crashed on its appends; a
+    name too long for the files written beside it crashed there too; a trailing slash wrote a file."""
+    from tp_engine import output_file
+    from tp_engine.output_file import check_target
+    ro = tmp_path / "ro.jsonl"
+    ro.write_text("kept\n")
+    ro.chmod(0o444)
+    real = os.access  # as a user other than root sees a read-only file
+    monkeypatch.setattr(output_file.os, "access", lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
+    with pytest.raises(ConfigError, match=f"output {ro}: no permission to write {ro}"):
+        check_target(str(ro), {}, str(DEMO))
+    with pytest.raises(ConfigError, match="ends in '/': it must name a file"):
+        check_target(str(tmp_path / "new") + "/", {}, str(DEMO))
+    assert not (tmp_path / "new").exists()
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX") - len(".") - len(".run.json.XXXXXXXX.tmp")
+    check_target(str(tmp_path / ("r" * (limit - 6) + ".jsonl")), {}, str(DEMO))
+    with pytest.raises(ConfigError, match="the file name is too long.*shorten it by 1$"):
+        check_target(str(tmp_path / ("r" * (limit - 5) + ".jsonl")), {}, str(DEMO))
 
 
 def test_output_under_a_file_names_the_output(tmp_path):

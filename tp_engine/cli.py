@@ -39,9 +39,18 @@ config keys (key = default):
 """
 
 
+def describe_keys() -> str:
+    """Every config key with its default, for `--help`."""
+    lines = []
+    for dotted, key in C.SCHEMA.items():
+        choices = f" [{'|'.join(key.choices)}]" if key.choices else ""
+        lines.append(f"  {dotted} = {json.dumps(key.default)}{choices}\n      {key.help}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="generate.py", description="Tensor-parallel Qwen3 generation.",
-                                epilog=EXAMPLES + C.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=EXAMPLES + describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set sampling.max_new_tokens=32")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
-import json
 import logging
 import math
 import os
@@ -18,7 +17,7 @@ from typing import Any
 import yaml
 
 from tp_engine.generation_config import GenerationConfigError, sampling_defaults
-from tp_engine.textio import decode_utf8, load_yaml
+from tp_engine.textio import canonical_json, load_yaml, read_utf8
 
 log = logging.getLogger("tp_engine")
 
@@ -74,9 +73,10 @@ def _str_list(v):
 
 
 def _template_kwargs(v):
+    if not all(isinstance(k, str) for k in v):
+        return "must have string keys (the template's variable names)"
     taken = sorted(set(v) & RESERVED_TEMPLATE_ARGS)
     return f"cannot set {', '.join(taken)}: the engine passes those itself" if taken else None
-
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 30 * 86400
@@ -179,6 +179,16 @@ def _flatten(d: dict, flat: dict[str, Any], prefix: str = "") -> None:
             flat[name] = v
 
 
+def _apply_layer(layer: list[dict], flat: dict) -> None:
+    """One layer (the file, keyword values, all --set) over the ones before; a layer that gives one of `prompts`
+    and `prompts_file` drops the other from earlier layers: they are one choice."""
+    given = {k for d in layer for k, v in d.items() if k in ("prompts", "prompts_file") and v is not None}
+    if len(given) == 1:
+        flat.pop(({"prompts", "prompts_file"} - given).pop(), None)
+    for d in layer:
+        _flatten(d, flat)
+
+
 def _unknown(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, list(SCHEMA), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -204,23 +214,22 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            raise ConfigError(f"config file {'is not a regular file' if p.exists() else 'not found'}: {path}")
         try:
-            data = load_yaml(decode_utf8(p.read_bytes(), str(p), ConfigError)) or {}
+            data = load_yaml(read_utf8(p, ConfigError)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-        _flatten(data, flat)
+        _apply_layer([data], flat)
         base = p.parent
         # Relative paths in a config file are relative to the file's folder when that is where they exist.
         for k in ("model", "prompts_file"):
             v = flat.get(k)
             if isinstance(v, str) and not Path(v).is_absolute() and not Path(v).exists() and (base / v).exists():
                 flat[k] = str(base / v)
-    _flatten(values, flat)
-    for text in overrides or []:
-        _flatten(dict([parse_override(text)]), flat)
+    _apply_layer([values], flat)
+    _apply_layer([dict([parse_override(text)]) for text in overrides or []], flat)
     cfg = defaults()
     for k, v in flat.items():
         if k not in SCHEMA:
@@ -288,13 +297,4 @@ def _type_name(types: tuple) -> str:
 
 def fingerprint(cfg: dict) -> str:
     """A short hash every rank compares at start-up, so ranks never run different configs."""
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def describe() -> str:
-    """Every key with its default, for `--help`."""
-    lines = []
-    for dotted, key in SCHEMA.items():
-        choices = f" [{'|'.join(key.choices)}]" if key.choices else ""
-        lines.append(f"  {dotted} = {json.dumps(key.default)}{choices}\n      {key.help}")
-    return "\n".join(lines)
+    return hashlib.sha256(canonical_json(cfg).encode()).hexdigest()[:16]

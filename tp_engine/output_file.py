@@ -16,8 +16,11 @@ from tp_engine.config import ConfigError
 def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> Path:
     """The file `output` names, with symlinks resolved: results are written there, so a symlink stays one.
 
-    Refused: a file the run reads (`inputs`: what it is -> path), anything inside the model directory, and
-    an existing path that is not a regular file (a device, a FIFO, a directory)."""
+    Refused: a path that ends in a slash, a file the run reads (`inputs`: what it is -> path), anything inside
+    the model directory, an existing path that is not a regular file (a device, a FIFO, a directory) or that
+    this user may not write, and a name too long for the files the run writes beside it."""
+    if output.endswith(("/", os.sep)):
+        raise ConfigError(f"output {output} ends in '/': it must name a file")
     target = Path(os.path.realpath(output))
     for what, path in inputs.items():
         if path is not None and Path(os.path.realpath(path)) == target:
@@ -31,11 +34,29 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
             raise ConfigError(f"output {output} is {kind}" + (f" ({target})" if str(target) != output else "")
                               + "; it must be a regular file (or a symlink to one)")
+        if not os.access(target, os.W_OK):  # it would be replaced, then its appends refused
+            raise ConfigError(f"output {output}: no permission to write {target}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file where a folder should be, no permission, a read-only file system
         raise ConfigError(f"output {output}: cannot create its folder {target.parent}: {e.strerror}") from None
+    try:
+        name_max = os.pathconf(target.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    longest = len(os.fsencode(_temp_prefix(target.name + SETTINGS_SUFFIX))) + 12  # mkstemp's 8 letters + ".tmp"
+    if longest > name_max:
+        raise ConfigError(f"output {output}: the file name is too long; the run writes files named "
+                          f"'{_temp_prefix(target.name + SETTINGS_SUFFIX)}XXXXXXXX.tmp' beside it, and this folder "
+                          f"takes names of at most {name_max} bytes: shorten it by {longest - name_max}")
     return target
+
+
+SETTINGS_SUFFIX = ".run.json"  # <output>.run.json: the settings behind the `run` hash (results.py)
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name}."
 
 
 class OutputLock:
@@ -82,7 +103,7 @@ def write_lines(target: Path, records: Iterable[dict]) -> None:
 def replace_text(target: Path, text: str) -> None:
     """Replace `target` atomically: a reader (or a crash) never sees half a file. The temporary file is
     private to this run and lives next to the target (os.replace needs one file system)."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_temp_prefix(target.name), suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), _mode_for(target))

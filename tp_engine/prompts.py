@@ -33,21 +33,34 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         return cfg["prompts"]
     path = Path(cfg["prompts_file"])
     if not path.is_file():
-        raise ConfigError(f"config key 'prompts_file': file not found: {path}")
+        raise ConfigError(f"config key 'prompts_file': {'not a regular file' if path.exists() else 'file not found'}: "
+                          f"{path}")
     prompts = []
     for n, line in enumerate(jsonl_lines(read_utf8(path, ConfigError)), 1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        except KeyError as e:
+            raise ConfigError(f"{path} line {n}: key '{e.args[0]}' is given twice in one object") from None
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
             raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
         prompts.append(item)
     if not prompts:
         raise ConfigError(f"config key 'prompts_file': {path} holds no prompts: nothing to generate")
     return prompts
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are all different (json.loads would keep the last of two)."""
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise KeyError(k)
+        seen.add(k)
+    return dict(pairs)
 
 
 def as_list(prompts: Any) -> list[Prompt]:
@@ -116,6 +129,9 @@ class PromptEncoder:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict):
+            given = [k for k in PROMPT_KEYS if k in prompt]
+            if len(given) > 1:  # which one counts would be a guess
+                raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
             if "input_ids" in prompt:
                 ids = prompt["input_ids"]
                 if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
@@ -124,12 +140,14 @@ class PromptEncoder:
             if "messages" in prompt:
                 return self._apply_chat(_checked_messages(prompt["messages"]))
             if "prompt" not in prompt:
-                raise PromptError(f"a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys {sorted(prompt)}")
+                raise PromptError("a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys "
+                                  f"{sorted(map(str, prompt))}")
             prompt = prompt["prompt"]
         if isinstance(prompt, list) and all(_is_id(i) for i in prompt):
             return prompt
         if not isinstance(prompt, str):
             raise PromptError(f"a prompt must be a string, a list of token ids or an object; got {type(prompt).__name__}")
+        _check_unicode(prompt, "the prompt")
         if self.chat:
             return self._apply_chat([{"role": "user", "content": prompt}])
         return self._need_tokenizer().encode(prompt, add_special_tokens=False)
@@ -161,7 +179,17 @@ def _checked_messages(messages: Any) -> list[dict]:
             raise PromptError(f"message {n} needs a 'role' string (user, assistant, system, ...)")
         if m.get("content") is not None and not isinstance(m["content"], str):
             raise PromptError(f"message {n}: 'content' must be a string; got {type(m['content']).__name__}")
+        _check_unicode(m.get("content") or "", f"message {n}'s content")
     return messages
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """JSON's \\ud800 escapes give lone surrogates, which no tokenizer takes: say so, not the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
+                          f"character {e.start}") from None
 
 
 def _is_id(t: Any) -> bool:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from tp_engine.config import SCHEMA, ConfigError
-from tp_engine.output_file import replace_text, write_lines
+from tp_engine.output_file import SETTINGS_SUFFIX, replace_text, write_lines
+from tp_engine.textio import canonical_json
 
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
 
@@ -41,11 +42,11 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
 
 
 def run_id(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return hashlib.sha256(canonical_json(settings).encode()).hexdigest()[:12]
 
 
 def settings_path(target: Path) -> Path:
-    return target.with_name(target.name + ".run.json")
+    return target.with_name(target.name + SETTINGS_SUFFIX)
 
 
 def key(out: dict) -> tuple[int, int]:

@@ -22,19 +22,36 @@ def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) ->
     return text.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the content
 
 
+def read_bytes(path: str | Path, error: type[Exception] = ValueError) -> bytes:
+    """The file's bytes; `error` names the file and why it cannot be read (no permission, a folder, ...)."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot read it: {e.strerror or e}") from None
+
+
 def read_utf8(path: str | Path, error: type[Exception] = ValueError) -> str:
-    return decode_utf8(Path(path).read_bytes(), str(path), error)
+    return decode_utf8(read_bytes(path, error), str(path), error)
 
 
 def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict[str, Any]:
     """A JSON file that must hold one object (config.json, generation_config.json); `error` names the file."""
     try:
-        raw = json.loads(decode_utf8(path.read_bytes(), str(path), error))
+        raw = json.loads(read_utf8(path, error))
     except json.JSONDecodeError as e:
         raise error(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise error(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def canonical_json(v: Any) -> str:
+    """`v` as JSON with sorted keys, also when a mapping (a prompt object) mixes key types."""
+    def keyed(x):
+        if isinstance(x, dict):
+            return {(k if isinstance(k, str) else f"{type(k).__name__}:{k}"): keyed(y) for k, y in x.items()}
+        return [keyed(y) for y in x] if isinstance(x, (list, tuple)) else x
+    return json.dumps(keyed(v), sort_keys=True, default=str)
 
 
 def jsonl_lines(text: str) -> list[str]:
