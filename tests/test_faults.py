@@ -430,3 +430,29 @@ def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_p
     assert "(Timed out waiting 2000ms for send operation to complete)" in err
     assert "a very large prompts_file needs a larger timeout_s" in err
     assert not re.search(r'File ".*(tp_engine|launch)/', err) and "C++" not in err, err[-3000:]
+
+
+SLOW_RANK_0 = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import scheduler
+if os.environ["RANK"] == "0":
+    real, calls = scheduler.Scheduler.issue, [0]
+    def issue(self, plan):
+        calls[0] += 1
+        if calls[0] == 5:  # rank 0 busy between two steps: rank 1 waits for the step message
+            time.sleep(60)
+        return real(self, plan)
+    scheduler.Scheduler.issue = issue
+from tp_engine.cli import main
+sys.exit(main())
+"""
+
+
+def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):
+    """Through gloo (the CPU's step channel) the wait used to end in gloo's bare 'Timed out waiting ...'."""
+    cfg, _ = long_job(ckpt, tmp_path)
+    code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, SLOW_RANK_0, 50)
+    assert code != 0
+    assert ("error: rank 1: RuntimeError: rank 1: no step message from rank 0 within timeout_s (Timed out waiting "
+            "5000ms for recv operation to complete); another rank probably failed") in err, err[-3000:]

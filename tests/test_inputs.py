@@ -140,6 +140,8 @@ def test_sampling_params_follow_the_config_rules(name, value):
     with pytest.raises(ConfigError) as from_api:
         SamplingParams(**{name: value})
     assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'", f"SamplingParams.{name}")
+    if name == "temperature":  # as the docs quote it (it said "an integer or a number")
+        assert str(from_api.value) == "SamplingParams.temperature must be a number, got '0.7' (str)"
 
 
 def test_generate_takes_one_prompt_and_stop_as_one_string():
@@ -214,6 +216,12 @@ def test_config_structure_and_ranges(case):
     assert cfg[key] == ({**cfg[key], **value} if isinstance(value, dict) else value)
     if key == "kv_cache":
         assert cfg[key]["page_size"] == 16  # the section's other keys keep their defaults
+
+
+def test_a_config_without_model_says_it_is_required():
+    with pytest.raises(ConfigError) as err:  # the type check used to come first: "must be a string, got None"
+        build_config(overrides=["prompts=[hi]"])
+    assert str(err.value) == "config key 'model' is required: the checkpoint directory"
 
 
 def test_a_section_left_empty_keeps_its_defaults(tmp_path):

@@ -279,10 +279,10 @@ def check_value(name: str, key: Key, v: Any) -> None:
 
 
 def validate(cfg: dict) -> None:
+    if not cfg["model"]:  # before the type checks, which would call a missing model "not a string"
+        raise ConfigError("config key 'model' is required: the checkpoint directory")
     for dotted, key in SCHEMA.items():
         check_value(f"config key '{dotted}'", key, get(cfg, dotted))
-    if not cfg["model"]:
-        raise ConfigError("config key 'model' is required: the checkpoint directory")
     if not Path(cfg["model"]).is_dir():
         raise ConfigError(f"config key 'model': directory not found: {cfg['model']}")
     if cfg["resume"] and not cfg["output"]:
@@ -292,7 +292,7 @@ def validate(cfg: dict) -> None:
 def _type_name(types: tuple) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
              dict: "a mapping", type(None): "null"}
-    return " or ".join(dict.fromkeys(names[t] for t in types))
+    return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))  # 1 is a number
 
 
 def fingerprint(cfg: dict) -> str:

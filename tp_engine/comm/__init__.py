@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce, failure_report
-from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, init_distributed, pick_device,
-                                  set_tp, shutdown)
+from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, gloo_reason, init_distributed,
+                                  pick_device, set_tp, shutdown)
 
 __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "StartupError",
            "check_startup", "enable_fast_all_reduce", "failure_report",
@@ -97,7 +97,13 @@ def broadcast_ints(values: torch.Tensor | None, tp: TPGroup | None = None) -> to
             return got
         # too large for the shared buffer: this message goes through gloo (the channel said so to all)
     n = torch.tensor([values.numel() if tp.rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(n, src=0, group=tp.cpu_group)
+    try:
+        dist.broadcast(n, src=0, group=tp.cpu_group)
+    except RuntimeError as e:  # a follower waited timeout_s for rank 0, or rank 0 is gone: say so in one line
+        if tp.rank == 0:
+            raise
+        raise RuntimeError(f"rank {tp.rank}: no step message from rank 0 within timeout_s ({gloo_reason(e)}); "
+                           "another rank probably failed") from None
     if tp.rank != 0:
         values = torch.empty(int(n.item()), dtype=torch.int64)
     dist.broadcast(values, src=0, group=tp.cpu_group)

@@ -108,6 +108,11 @@ class StartupError(RuntimeError):
     """Raised on every rank when any rank failed to start, with that rank's message."""
 
 
+def gloo_reason(e: RuntimeError) -> str:
+    """gloo's own words for a failed collective (a timeout, a peer gone), without its source file and C++ trace."""
+    return str(e).splitlines()[0].rsplit("] ", 1)[-1][:160]
+
+
 def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | None = None) -> None:
     """Every rank reports its start-up outcome and config fingerprint; all raise if any failed or differ.
 
@@ -122,10 +127,9 @@ def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | N
         try:
             dist.all_gather_object(reports, mine, group=tp.cpu_group)
         except RuntimeError as e:  # gloo's timeout, or a peer gone: one line instead of a C++ trace
-            why = str(e).splitlines()[0].rsplit("] ", 1)[-1][:160]  # gloo's words, without its source file
-            raise StartupError(f"not every rank reported at start-up within timeout_s ({why}); rank 0 encodes all "
-                               "prompts first: a very large prompts_file needs a larger timeout_s, else another "
-                               "rank failed") from None
+            raise StartupError(f"not every rank reported at start-up within timeout_s ({gloo_reason(e)}); rank 0 "
+                               "encodes all prompts first: a very large prompts_file needs a larger timeout_s, else "
+                               "another rank failed") from None
     for r, (msg, _, _) in enumerate(reports):
         if msg is not None:
             raise StartupError(msg if r == 0 or msg == reports[0][0] else f"rank {r}: {msg}")
