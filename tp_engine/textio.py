@@ -1,5 +1,5 @@
 """Reading the user's text files: UTF-8 with an error that names the file, line and column; JSONL split on
-newlines only; YAML without silently dropped keys."""
+newlines only; YAML without silently dropped keys. And the canonical JSON of a config, for its hashes."""
 from __future__ import annotations
 
 import json
