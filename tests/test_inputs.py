@@ -310,6 +310,10 @@ def test_streamed_text_stops_before_a_stop_string():
         streamer.update([1, 2, 3, 4][:n])
     streamer.update([1, 2, 3, 4], final=True, text="by her")  # the finished text, cut before " sister"
     assert out.getvalue() == "by her\n"
+    out = io.StringIO()  # the whole output shown (reasoning apart): cut at the earliest stop, as `text` is
+    streamer = Streamer(lambda ids: "<think>\nplan\n</think>\n\nI am Done. More", out, stop=[".", "Done."])
+    streamer.update([1], final=True)
+    assert out.getvalue() == "<think>\nplan\n</think>\n\nI am \n"
     out = io.StringIO()  # text still shorter than the stop string: nothing shown until it is longer
     streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" and then"])
     streamer.update([1, 2])

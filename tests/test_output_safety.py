@@ -250,6 +250,16 @@ def test_resume_refuses_lines_this_run_would_not_write(finished, tmp_path, case)
     assert out.read_bytes() == before  # nothing deleted, nothing mixed in
 
 
+def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, tmp_path):
+    """`max_model_len: null` means max_position_embeddings: naming that value changes no token."""
+    cfg, out = finished
+    before = out.read_bytes()
+    max_pos = json.loads((Path(cfg["model"]) / "config.json").read_text())["max_position_embeddings"]
+    proc, _ = run_cli({**cfg, "max_model_len": max_pos, "resume": True}, tmp_path)
+    assert proc.returncode == 0 and '"resumed_skipped": 3' in proc.stderr, proc.stderr[-3000:]
+    assert out.read_bytes() == before
+
+
 def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [PROMPTS[0], {"input_ids": [7] * 40}, PROMPTS[1]]  # 40 tokens do not fit a pool of 32

@@ -85,6 +85,9 @@ def test_split_reasoning_rules():
     assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")  # the prompt opened it
     assert split_reasoning("thought</think> answer", open_think=True) == ("thought", "answer")
     assert split_reasoning("Just an answer.") == ("", "Just an answer.")  # thinking turned off in the prompt
+    # no block open, in the prompt or the output: a </think> is the answer's text, not the end of reasoning
+    assert split_reasoning("Wrap it in </think> tags.") == ("", "Wrap it in </think> tags.")
+    assert split_reasoning("Sure. <think>x</think> y") == ("", "Sure. <think>x</think> y")
     # the answer keeps its first line's indentation (code); a <think> written inside the reasoning stays
     assert split_reasoning("<think>a</think>\n\n    x = 1\n") == ("a", "    x = 1\n")
     assert split_reasoning("<think>a</think>  \n \n  - item") == ("a", "  - item")

@@ -110,8 +110,9 @@ class Preflight:
             self.lock = OutputLock(target, shown)
         encoder = PromptEncoder.from_config(cfg)
         self.encoded = encoder.encode_all(self.prompts)
-        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(ModelConfig.from_dir(cfg["model"]), device)
-        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")))
+        mc = ModelConfig.from_dir(cfg["model"])
+        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(mc, device)
+        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings)
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
             done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])

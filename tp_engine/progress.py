@@ -55,8 +55,10 @@ class Streamer:
         """`text`, with `final`: the request's finished text (cut before a stop string), shown in place of ids'."""
         if text is None:
             text = self.decode(output_ids) or ""
-            for s in self.stop:  # cut as the finished text is cut (with reasoning apart, the whole output is shown)
-                text = text[:text.find(s)] if s in text else text
+            # cut as the finished text is cut, at the earliest stop string (with reasoning apart, the whole output
+            # is shown)
+            cut = min((text.find(s) for s in self.stop if s in text), default=-1)
+            text = text[:cut] if cut >= 0 else text
         if not final:
             if text.endswith("\ufffd"):
                 return

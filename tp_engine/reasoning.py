@@ -34,10 +34,11 @@ def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
     """(reasoning, answer) of an output's text: the reasoning is what lies inside `<think>...</think>`, stripped;
     the answer what follows `</think>`, without its leading blank lines (or the spaces before it on the tag's
     line), its first line's indentation kept. A think block that never ends (the length limit came first) is all
-    reasoning; an output that does not think is all answer. `<think>` written inside the reasoning stays."""
-    head, closed, tail = text.partition(THINK_END)
-    if not closed and not (open_think or text.lstrip().startswith(THINK_START)):
+    reasoning; an output that does not think (neither the prompt nor the output opens a block) is all answer, a
+    `</think>` in it included. `<think>` written inside the reasoning stays."""
+    if not (open_think or text.lstrip().startswith(THINK_START)):
         return "", text
+    head, closed, tail = text.partition(THINK_END)
     head = head.strip()
     if head.startswith(THINK_START):  # the tag that opens the block, not one written inside it
         head = head[len(THINK_START):]

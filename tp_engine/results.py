@@ -18,8 +18,9 @@ from tp_engine.textio import canonical_json
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
 
 
-def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
-    """Everything that decides a prompt's output tokens. `dtype` is the one in use (`auto` resolved)."""
+def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None = None) -> dict:
+    """Everything that decides a prompt's output tokens. `dtype` is the one in use (`auto` resolved);
+    `max_positions` the model's max_position_embeddings, which `max_model_len: null` stands for."""
     model = Path(cfg["model"]).resolve()
     settings = {"model": str(model), "dtype": dtype}
     for name in ("config.json", "generation_config.json"):
@@ -29,6 +30,8 @@ def run_settings(cfg: dict, dtype: str, tp_size: int) -> dict:
         stats = [(f.name, f.stat()) for f in sorted(model.glob("*.safetensors")) if f.is_file()]
         settings["weights"] = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
+    if settings["max_model_len"] == max_positions:  # the default written out is the default
+        settings["max_model_len"] = None
     # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
     # on, so that lines written before the key existed keep their `run`.
     settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
