@@ -200,6 +200,28 @@ def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
         assert_parity(hf_ref, PARITY_PROMPTS, results[name]["memorized"], e["memorized"])
 
 
+def test_graph_decode_without_the_direct_planner_decides_once_per_batch_size(tiny_ckpt, monkeypatch):
+    """When flashinfer's compiled planner cannot be called directly (another release; FAST_PLAN off), the
+    wrappers plan through `plan` every step, with the same tokens. The check whether the direct call works used
+    to run again at every step (a full wait for the GPU each time)."""
+    needs_flashinfer()
+    from tp_engine.attention import flashinfer_backend as fb
+    from tp_engine.kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "MAX_CONTEXT", 0)  # flashinfer's wrapper in the graphs: planned
+    m = llm(tiny_ckpt)
+    fast = generate(m, PROMPTS[:3], max_new_tokens=30)
+    del m
+    monkeypatch.setattr(fb, "FAST_PLAN", False)
+    checks, real = [], fb.FlashInferBackend._make_fast_plan
+    monkeypatch.setattr(fb.FlashInferBackend, "_make_fast_plan",
+                        lambda self, wrapper, *a: checks.append(id(wrapper)) or real(self, wrapper, *a))
+    m = llm(tiny_ckpt)
+    assert generate(m, PROMPTS[:3], max_new_tokens=30) == fast
+    assert checks and len(checks) == len(set(checks)), f"{len(checks)} checks for {len(set(checks))} wrappers"
+    del m
+    torch.cuda.empty_cache()
+
+
 class _Counted:
     """A captured graph whose replays are recorded (whether its attention is the decode kernel)."""
 

@@ -167,6 +167,21 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref, monkeypatch):
     assert_parity(hf_moe_ref, PROMPTS, g["padded5"], e["padded5"])
 
 
+def test_experts_without_the_fused_kernels_run_with_cuda_graph_on(moe_ckpt, hf_moe, hf_moe_ref, monkeypatch):
+    """`advanced.fused_kernels: off` (or Triton missing): the torch experts read their token counts on the
+    host, which a capture refuses, so start-up used to fail on every rank with cuda_graph on (the default).
+    The graphs stay off for such a model, and its tokens follow transformers'."""
+    needs_flashinfer()
+    from tp_engine import kernels
+    monkeypatch.setattr(kernels, "_CHOSEN", {})  # the choice of kernels is per process: this test's stays here
+    m = llm(moe_ckpt, cuda_graph=True, advanced={"fused_kernels": "off"})
+    assert m.engine.graphs is None and m.engine.pieces is None
+    ours = generate(m, PARITY_PROMPTS, max_new_tokens=12)
+    del m
+    torch.cuda.empty_cache()
+    assert_parity(hf_moe_ref, PARITY_PROMPTS, ours, hf_greedy(hf_moe, PARITY_PROMPTS, 12))
+
+
 @pytest.mark.parametrize("n", [1, 5, 64])
 def test_fused_moe_fp8_experts_match_their_dequantized_values(n):
     """FP8 experts, dequantized in registers, at Qwen3-30B-A3B's shapes at TP=4, rank 1: 192 inner rows from

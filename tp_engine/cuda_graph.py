@@ -179,8 +179,9 @@ class GraphRunner:
     def _plan(self, bs: int, indptr: np.ndarray, kv_lens: np.ndarray, n: int, kernel: bool) -> None:
         """Plan the bucket's flashinfer wrapper, unless the step runs the decode kernel (it needs no plan)."""
         if not kernel:
+            start = 2 * self.max_bs + 1  # the page ids' place in host_meta (see _load)
             self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr), torch.from_numpy(kv_lens),
-                                        self.indices_buf[:n])
+                                        self.host_meta[start:start + n])
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | None:

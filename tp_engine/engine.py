@@ -91,7 +91,10 @@ class Engine:
         self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
-        if device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
+        host_experts = mc.moe is not None and fused_ops(device) is None  # they read expert counts on the host
+        if host_experts and device.type == "cuda" and cfg["cuda_graph"]:
+            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")
+        elif device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
             from tp_engine.cuda_graph import GraphRunner
             from tp_engine.piecewise_graph import piecewise_graphs
             self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))

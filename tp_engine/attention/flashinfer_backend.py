@@ -149,24 +149,27 @@ class FlashInferBackend:
                                             self.head_dim, self.page_size)
 
     def plan_graph_decode(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor,
-                          indices_dev: torch.Tensor) -> None:
+                          indices: np.ndarray) -> None:
         """Plan a CUDA-graph decode wrapper whose page-table buffers the caller has already filled (kv_indptr
-        and kv_lens: int32 host copies of the indptr and the KV lengths; indices_dev: the page ids in use).
+        and kv_lens: int32 host copies of the indptr and the KV lengths; indices: the page ids in use, on the
+        host).
 
         The first plan goes through `wrapper.plan`; later ones call the compiled planner directly with the
         arguments `plan` would pass it, skipping the wrapper's Python-side checks and copies, which cost more
         than the planning itself at small batch. The direct path is checked against the wrapper's own plan
-        once and not used when the two disagree (or FAST_PLAN is off)."""
+        once (the verdict is kept either way) and not used when the two disagree (or FAST_PLAN is off)."""
         self.guard.before(wrapper)
         fast = self._fast_plans.get(id(wrapper))
         if fast is not None:
             wrapper._plan_info = fast(kv_indptr, kv_lens)
         else:
             last = kv_lens - (kv_indptr[1:] - kv_indptr[:-1] - 1) * self.page_size
-            wrapper.plan(kv_indptr, indices_dev.cpu(), last, self.num_heads, self.num_kv_heads, self.head_dim,
+            ids = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int32)).pin_memory()  # see _plan
+            wrapper.plan(kv_indptr, ids, last, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                          disable_split_kv=not self.split_kv)
-            self._fast_plans[id(wrapper)] = self._make_fast_plan(wrapper, kv_indptr, kv_lens)
+            if id(wrapper) not in self._fast_plans:
+                self._fast_plans[id(wrapper)] = self._make_fast_plan(wrapper, kv_indptr, kv_lens)
         self.guard.after(wrapper)
 
     def _make_fast_plan(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor):
