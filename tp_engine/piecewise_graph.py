@@ -36,8 +36,8 @@ log = logging.getLogger("tp_engine")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Multiples of 64 up to 1024, then eight sizes per doubling (a step is padded by at most 1/8, and by at
-    most 1/16 above 1024 tokens), up to max_tokens (always included)."""
+    """Multiples of 64 up to 1024, then eight sizes per doubling, up to max_tokens (always included): a step is
+    padded by at most 63 tokens up to 1024, and by less than 1/8 of its tokens above."""
     sizes, n, step = [], 64, 64
     while n < max_tokens:
         sizes.append(n)
