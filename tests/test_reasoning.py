@@ -74,6 +74,20 @@ def test_reasoning_is_split_from_the_answer(model, tmp_path):
     assert "reasoning" not in plain and plain["text"] == decoded
 
 
+def test_messages_prompts_think_without_chat_true(model, tmp_path, monkeypatch):
+    """`messages` always go through the chat template, so their output is split as with `chat: true` (the
+    README's API example gives messages and leaves `chat` off); a text or ids prompt with chat off is not."""
+    ckpt, prompt, out = model
+    llm = LLM(model=with_tokenizer(ckpt, tmp_path / "t", out, THINKING), device="cpu")
+    # the template's rendering of these messages, as ids: the prompt whose output is known
+    monkeypatch.setattr(llm.prompts, "try_encode", lambda p: list(prompt))
+    chat, ids = llm.generate([{"messages": [{"role": "user", "content": "hi"}]}, {"input_ids": prompt}],
+                             SamplingParams(max_new_tokens=8))
+    assert chat["output_token_ids"] == ids["output_token_ids"] == out
+    assert chat["reasoning"] == words(out[1:3]) and chat["text"] == words(out[4:])
+    assert "reasoning" not in ids
+
+
 def run(model, prompt, chat=True, max_new_tokens=8):
     llm = LLM(model=model, device="cpu", chat=chat)
     return llm.generate([{"input_ids": prompt}], SamplingParams(max_new_tokens=max_new_tokens))[0]

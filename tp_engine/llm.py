@@ -85,8 +85,11 @@ class LLM:
             return None
         outputs: dict[tuple[int, int], dict] = {}
 
+        # `messages` go through the chat template whatever `chat` says: their outputs may think too
+        chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
+
         def finish(req: Request) -> None:
-            out = self.output(req)
+            out = self.output(req, self.cfg["chat"] or req.index in chats)
             outputs[req.index, req.sample] = out
             if on_finish is not None:
                 on_finish(out)
@@ -154,14 +157,16 @@ class LLM:
             return True
         return False
 
-    def output(self, req: Request) -> dict:
+    def output(self, req: Request, chat: bool = False) -> dict:
+        """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
+        output may hold a think block to split off as `reasoning`)."""
         out = {"index": req.index, "sample": req.sample, "prompt_token_ids": req.prompt_ids,
                "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
                "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}
         if req.params.logprobs and req.error is None:
             out["logprobs"] = req.logprobs
-        tags = self._think_tags()
+        tags = self._think_tags() if chat else None
         if tags is not None and req.error is None:
             opens = opens_thinking(req.prompt_ids, tags, self.decode)
             out["reasoning"], out["text"] = split_reasoning(out["text"] or "", opens)
@@ -171,7 +176,7 @@ class LLM:
 
     def _think_tags(self) -> tuple[int, int] | None:
         if self._think is None:
-            self._think = (think_tags(self.tokenizer) if self.cfg["chat"] else None,)
+            self._think = (think_tags(self.tokenizer),)
         return self._think[0]
 
     def shutdown(self) -> None:
