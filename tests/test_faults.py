@@ -286,6 +286,10 @@ def test_killed_worker_ends_the_job_fast_and_keeps_results(ckpt, tmp_path, victi
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     check_results_file(out, 300)
+    err = proc.stderr.read()
+    if victim == 1:  # rank 0 says where the finished results are (it used to end in gloo's words alone)
+        assert f"finished results are in {out}; run again with resume: true" in err, err[-3000:]
+        assert not re.search(r'File ".*(tp_engine|launch)/', err), err[-3000:]  # one line, not our traceback
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

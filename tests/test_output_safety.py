@@ -138,6 +138,11 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "injected fault" in err, err[-3000:]
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+    # refused at start-up, after the lock was taken (a limit the model cannot hold): no lock file is left
+    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
+    refused(proc, "max_model_len")
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+    assert not (tmp_path / "out.jsonl.lock").exists()
 
 
 # ---- one run at a time, and never after torchrun ----

@@ -82,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
     except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
-        import traceback
-        traceback.print_exc()
-        from tp_engine.comm import failure_report  # a stuck push all-reduce stops its kernel; say why
-        fail(rank, f"rank {rank}: {failure_report() or f'{type(e).__name__}: {e}'}", 1, always=True)
+        from tp_engine.comm import failure_report, gloo_reason  # a stuck push all-reduce stops its kernel
+        message = failure_report() or f"{type(e).__name__}: {e}"
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
+            message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; torchrun's summary " \
+                "names it"  # its traceback would only show where this rank was waiting
+        else:
+            import traceback
+            traceback.print_exc()
+        if rank == 0 and _SINK is not None:  # what finished is kept: say where, as a signal would
+            message += f"; {_SINK.on_stop()}"
+        fail(rank, f"rank {rank}: {message}", 1, always=True)
         sys.stderr.flush()
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
 
@@ -128,7 +135,12 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
 
     global _SINK
     preflight = Preflight(cfg, prompts, config_path)
-    llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
+    try:
+        llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
+    except BaseException:  # refused at start-up: nothing was written, and the lock goes too
+        if preflight.lock is not None:
+            preflight.lock.release()
+        raise
     if not llm.rank0:
         llm.generate(prompts)
         return finish(llm, 0)

@@ -16,7 +16,7 @@ from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, 
                                   pick_device, set_tp, shutdown)
 
 __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "StartupError",
-           "check_startup", "enable_fast_all_reduce", "failure_report",
+           "check_startup", "gloo_reason", "enable_fast_all_reduce", "failure_report",
            "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
            "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier", "all_reduce_min"]
 

@@ -110,7 +110,7 @@ class StartupError(RuntimeError):
 
 def gloo_reason(e: RuntimeError) -> str:
     """gloo's own words for a failed collective (a timeout, a peer gone), without its source file and C++ trace."""
-    return str(e).splitlines()[0].rsplit("] ", 1)[-1][:160]
+    return str(e).splitlines()[0].rsplit("] ", 1)[-1].split(". ", 1)[0][:160]  # its first sentence
 
 
 def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | None = None) -> None:
