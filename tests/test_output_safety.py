@@ -312,3 +312,27 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
     assert run_id(run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}), "float32",
                                1)) != run
 
+
+def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
+    """It showed the weight files' raw [name, size, mtime_ns] lists, and `logprobs=null` for logprobs off."""
+    from tp_engine.config import ConfigError, build_config
+    from tp_engine.results import read_for_resume, run_id, run_settings, write_settings
+
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+
+    def settings(**sampling):
+        return run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8, **sampling}),
+                            "float32", 1)
+    before = settings()
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8,
+                               "finish_reason": "length", "run": run_id(before)}) + "\n")
+    write_settings(out, run_id(before), before)
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # copied, touched
+    with pytest.raises(ConfigError) as err:
+        read_for_resume(out, "out.jsonl", [[1, 2]], settings(logprobs=2))
+    assert "other weights: model.safetensors written again (" in str(err.value) and ", the same size)" in str(err.value)
+    assert "sampling.logprobs=0, now 2" in str(err.value) and "mtime" not in str(err.value), str(err.value)
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -134,9 +135,32 @@ def _settings_change(saved: dict, line_run, settings: dict, n: int) -> str:
     if saved.get("run") != line_run or not isinstance(saved.get("settings"), dict):
         return f"line {n} was produced with other settings (run {line_run}, now {run_id(settings)})"
     old = saved["settings"]
-    changes = [f"{k}={json.dumps(old.get(k))}, now {json.dumps(settings.get(k))}"
+    changes = [_weights_change(old.get(k) or [], settings.get(k) or []) if k == "weights" else
+               f"{k}={_shown(old, k)}, now {_shown(settings, k)}"
                for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
     return "it was produced with " + "; ".join(changes)
+
+
+def _shown(settings: dict, k: str) -> str:
+    """A setting's value; a key the record leaves out (logprobs off) has its default."""
+    return json.dumps(settings[k] if k in settings or k not in SCHEMA else SCHEMA[k].default)
+
+
+def _weights_change(old: list, new: list) -> str:
+    """The weight files' changes in words: [name, size, mtime_ns] each."""
+    def when(ns):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+    was, now = {f[0]: f[1:] for f in old}, {f[0]: f[1:] for f in new}
+    said = []
+    for name in sorted(set(was) | set(now)):
+        a, b = was.get(name), now.get(name)
+        if a is None or b is None:
+            said.append(f"{name} {'added' if a is None else 'gone'}")
+        elif a[0] != b[0]:
+            said.append(f"{name} size {a[0]:,} -> {b[0]:,} bytes")
+        elif a != b:
+            said.append(f"{name} written again ({when(a[1])} -> {when(b[1])}, the same size)")
+    return "other weights: " + ", ".join(said)
 
 
 class ResultSink:
