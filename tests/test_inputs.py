@@ -144,6 +144,49 @@ def test_sampling_params_follow_the_config_rules(name, value):
         assert str(from_api.value) == "SamplingParams.temperature must be a number, got '0.7' (str)"
 
 
+def test_a_checkpoint_without_eos_is_warned_about(tmp_path, caplog):
+    """transformers 5's Qwen3Config() writes eos_token_id null: chat outputs then never stop at <|im_end|>."""
+    import logging
+    from helpers import make_checkpoint
+    from tp_engine.llm import LLM
+    ckpt = make_checkpoint(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="tp_engine"):
+        LLM(model=str(ckpt), device="cpu").shutdown()
+    assert f"{ckpt}/config.json and generation_config.json name no eos_token_id" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tp_engine"):
+        LLM(model=str(make_checkpoint(tmp_path / "e", eos=7)), device="cpu").shutdown()
+    assert "eos_token_id" not in caplog.text
+
+
+def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkeypatch):
+    """Requests longer than the pool end with finish_reason length: the start-up line says where the limit is."""
+    import logging
+    from tp_engine import engine
+    from tp_engine.llm import LLM
+    monkeypatch.setattr(engine, "budget_pages", lambda *a: 4)  # as a small default pool on the CPU would be
+    with caplog.at_level(logging.INFO, logger="tp_engine"):
+        LLM(model=str(DEMO), device="cpu").shutdown()
+    assert ("KV cache: 4 pages of 16 tokens = 64 tokens per rank; a request holds at most 64 of max_model_len 512 "
+            "tokens (kv_cache.num_pages sets the pool)") in caplog.text
+
+
+def test_sampling_params_without_a_seed_take_the_llms():
+    """LLM(seed=5) with a SamplingParams that names no seed used to sample with seed 0."""
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+    llm = LLM(model=str(DEMO), device="cpu", seed=5, sampling={"temperature": 1.0, "max_new_tokens": 12})
+
+    def ids(params=None):
+        return llm.generate(["Alice was"], params)[0]["output_token_ids"]
+    own = ids()
+    assert ids(SamplingParams(temperature=1.0, max_new_tokens=12)) == own
+    assert ids(SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)) == own
+    assert ids(SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)) != own
+    llm.shutdown()
+
+
 def test_generate_takes_one_prompt_and_stop_as_one_string():
     from tp_engine.llm import LLM
     from tp_engine.sampler import SamplingParams

@@ -193,8 +193,9 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         summary["resumed_skipped"] = len(sink.done_keys)
     print("summary: " + json.dumps(summary), file=sys.stderr)
     if errors:  # finished, but not every prompt has a result: say so in the exit status (see troubleshooting.md)
+        why = "shown above" if cfg["output"] is None and sys.stdout.isatty() else "in their \"error\" field"
         return finish(llm, fail(0, f"{errors} of {len(outputs)} prompts ended with finish_reason \"error\" "
-                                   "(the reason is in their \"error\" field)", EXIT_PROMPT_ERRORS))
+                                   f"(the reason is {why})", EXIT_PROMPT_ERRORS))
     return finish(llm, 0)
 
 

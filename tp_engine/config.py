@@ -117,7 +117,7 @@ SCHEMA: dict[str, Key] = {
     "sampling.ignore_eos": Key(_BOOL, False, "keep generating past EOS tokens"),
     "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=_id_list),
     "sampling.stop": Key(_LIST, [], "strings that end a request (the text is cut before them)", check=_str_list),
-    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is prefilled once)", check=_positive),
+    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is encoded once)", check=_positive),
     "sampling.logprobs": Key(_INT, 0, "log-probabilities of each output token and of the K most likely ones, "
                              "0 <= K <= 20; 0 = off", check=_logprobs),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
@@ -126,7 +126,7 @@ SCHEMA: dict[str, Key] = {
     "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}",
                                 check=_template_kwargs),
     "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset: stdout"),
-    "resume": Key(_BOOL, False, "skip prompts whose index is already in `output` (which it needs)"),
+    "resume": Key(_BOOL, False, "keep `output`'s finished lines of this run's prompts and settings, run the rest"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
     "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_timeout),

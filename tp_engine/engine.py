@@ -39,9 +39,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
     """CPU: float32. CUDA: the checkpoint's own half-precision dtype, else bfloat16."""
-    if device.type == "cpu":
-        return "float32"
-    return mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+    half = mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+    return "float32" if device.type == "cpu" else half
 
 
 class Engine:
@@ -91,9 +90,8 @@ class Engine:
         self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
-        host_experts = mc.moe is not None and fused_ops(device) is None  # they read expert counts on the host
-        if host_experts and device.type == "cuda" and cfg["cuda_graph"]:
-            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")
+        if device.type == "cuda" and cfg["cuda_graph"] and mc.moe is not None and fused_ops(device) is None:
+            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # see moe.py
         elif device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
             from tp_engine.cuda_graph import GraphRunner
             from tp_engine.piecewise_graph import piecewise_graphs
@@ -154,7 +152,10 @@ class Engine:
         n = comm.all_reduce_min(budget_pages(kvc, per_page, self.device, most), self.tp)  # the same pool on all
         check_pool(n, kvc, per_page, self.device)
         if self.tp.is_first:
-            log.info("KV cache: %d pages of %d tokens = %d tokens per rank", n, kvc["page_size"], n * kvc["page_size"])
+            pool = n * kvc["page_size"]
+            short = f"; a request holds at most {pool} of max_model_len {self.max_model_len} tokens " \
+                "(kv_cache.num_pages sets the pool)" if pool < self.max_model_len else ""
+            log.info("KV cache: %d pages of %d tokens = %d tokens per rank%s", n, kvc["page_size"], pool, short)
         return n
 
     @property

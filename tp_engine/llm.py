@@ -5,6 +5,7 @@ Every rank constructs the LLM and calls `generate` with the same arguments; rank
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Any, Callable
@@ -41,6 +42,11 @@ class LLM:
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
+        if self.rank0 and not self.engine.model_cfg.eos_token_ids:  # e.g. a config written with eos_token_id null
+            eos = getattr(self.tokenizer, "eos_token", None)
+            log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only at "
+                        "max_new_tokens, a stop string or stop_token_ids%s", self.cfg["model"],
+                        f" (the tokenizer's eos_token is {eos!r})" if eos else "")
 
     # ---- text <-> ids (rank 0 only) ----
 
@@ -80,6 +86,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.seed is None:  # the LLM's own seed
+            params = dataclasses.replace(params, seed=self.cfg["seed"])
         if not self.rank0:
             self.engine.follow()
             return None

@@ -162,7 +162,8 @@ class PromptEncoder:
     def _apply_chat(self, messages: list[dict]) -> list[int]:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
-            raise PromptError(f"chat prompts need a chat template in {self.model_dir}/tokenizer_config.json")
+            raise PromptError(f"chat prompts need a chat template in {self.model_dir} (chat_template.jinja, "
+                              "or chat_template in tokenizer_config.json)")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
         return tok.encode(text, add_special_tokens=False)
 

@@ -29,7 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     logprobs: int = 0
-    seed: int = 0
+    seed: int | None = None  # None: the LLM's (the config's) seed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, not one per character
@@ -40,6 +40,8 @@ class SamplingParams:
         """Raise ConfigError (a ValueError) for a value the config would refuse; generate() calls it again on
         every rank, since the fields may have been changed after construction."""
         for f in fields(self):
+            if f.name == "seed" and self.seed is None:
+                continue
             key = "seed" if f.name == "seed" else f"sampling.{f.name}"
             check_value(f"SamplingParams.{f.name}", SCHEMA[key], getattr(self, f.name))
 
