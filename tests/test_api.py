@@ -37,6 +37,28 @@ def test_python_api_under_torchrun(tmp_path):
     assert [o["output_token_ids"] for o in outs] == [c["output_token_ids"] for c in cli]
 
 
+NO_SHUTDOWN = """
+import atexit, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from tp_engine import LLM, SamplingParams
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))  # runs after LLM's own
+llm = LLM(model={model!r}, device="cpu")
+llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
+"""
+
+
+def test_a_script_that_forgets_shutdown_leaves_the_group_at_exit(tmp_path):
+    """Without shutdown(), gloo's threads met interpreter teardown: some runs aborted after their results."""
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(NO_SHUTDOWN.format(root=str(ROOT), model=str(make_checkpoint(tmp_path / "m")), prompts=PROMPTS))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("group at exit: False") == 2, proc.stdout
+
+
 RECOVERS = """
 import json, sys
 sys.path.insert(0, {root!r})

@@ -172,6 +172,14 @@ def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkey
             "tokens (kv_cache.num_pages sets the pool)") in caplog.text
 
 
+def test_llm_says_which_keys_only_the_command_line_reads(tmp_path, caplog):
+    import logging
+    from tp_engine.llm import LLM
+    with caplog.at_level(logging.WARNING, logger="tp_engine"):
+        LLM(model=str(DEMO), device="cpu", output=str(tmp_path / "o.jsonl"), stream=True).shutdown()
+    assert "config keys output, stream are read by the command line only: LLM ignores them" in caplog.text
+
+
 def test_sampling_params_without_a_seed_take_the_llms():
     """LLM(seed=5) with a SamplingParams that names no seed used to sample with seed 0."""
     from tp_engine.llm import LLM

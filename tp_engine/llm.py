@@ -5,9 +5,12 @@ Every rank constructs the LLM and calls `generate` with the same arguments; rank
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import logging
+import sys
+import weakref
 from typing import Any, Callable
 
 from tp_engine import config as C
@@ -20,6 +23,14 @@ from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
 
 log = logging.getLogger("tp_engine")
+
+
+def _shutdown_at_exit(ref) -> None:
+    """A script that ends without shutdown() could abort in gloo's teardown after its results were out. Not
+    after an uncaught exception: the other ranks may never reach shutdown's barrier."""
+    llm = ref()
+    if llm is not None and llm.engine is not None and getattr(sys, "last_value", None) is None:
+        llm.shutdown()
 
 
 def sampling_params_from(cfg: dict) -> SamplingParams:
@@ -38,10 +49,14 @@ class LLM:
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
         self.engine = Engine(self.cfg, preflight)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
+        cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]
+        if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
+            log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
         if self.rank0 and not self.engine.model_cfg.eos_token_ids:  # e.g. a config written with eos_token_id null
             eos = getattr(self.tokenizer, "eos_token", None)
             log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only at "
