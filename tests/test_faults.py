@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -317,39 +318,30 @@ def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
     assert lines == fresh
 
 
-FAULTY = """
-import os, sys
-sys.path.insert(0, {root!r})
-from tp_engine import engine
-if os.environ["RANK"] == {rank!r}:
-    real, calls = engine.Engine.forward, [0]
-    def forward(self, batch):
-        calls[0] += 1
-        if calls[0] == 150:
-            raise RuntimeError("injected fault")
-        return real(self, batch)
-    engine.Engine.forward = forward
-from tp_engine.cli import main
-sys.exit(main())
-"""
-
-
-STUCK = """
+def on_call(target: str, rank: str, call: int, action: str) -> str:
+    """A CLI script that runs `action` (lines of Python) on rank `rank` at the `call`-th call of `target`
+    (module.Class.method in tp_engine), before the call itself; str.format fills {root} and the action's fields."""
+    module, cls, method = target.split(".")
+    body = textwrap.indent(textwrap.dedent(action).strip(), " " * 12)
+    return f"""
 import os, sys, time
-sys.path.insert(0, {root!r})
-from tp_engine import engine
-if os.environ["RANK"] == "1":
-    real, calls = engine.Engine.forward, [0]
-    def forward(self, batch):
+sys.path.insert(0, {{root!r}})
+from tp_engine import {module}
+if os.environ["RANK"] == "{rank}":
+    real, calls = {module}.{cls}.{method}, [0]
+    def patched(self, *args):
         calls[0] += 1
-        if calls[0] == 150:  # rank 1 stops taking part; rank 0 blocks in its next collective
-            open({marker!r}, "w").close()
-            time.sleep(600)
-        return real(self, batch)
-    engine.Engine.forward = forward
+        if calls[0] == {call}:
+{body}
+        return real(self, *args)
+    {module}.{cls}.{method} = patched
 from tp_engine.cli import main
 sys.exit(main())
 """
+
+
+# rank 1 stops taking part at its 150th step; rank 0 blocks in its next collective
+STUCK = on_call("engine.Engine.forward", "1", 150, 'open({marker!r}, "w").close()\ntime.sleep(600)')
 
 
 def test_sigterm_ends_a_rank_blocked_in_a_collective(ckpt, tmp_path):
@@ -394,7 +386,8 @@ def run_patched(cfg, tmp_path, source: str, limit: float, **fields) -> tuple[int
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
     cfg, out = long_job(ckpt, tmp_path)
-    code, err = run_patched(cfg, tmp_path, FAULTY, 60, rank=rank)
+    faulty = on_call("engine.Engine.forward", rank, 150, 'raise RuntimeError("injected fault")')
+    code, err = run_patched(cfg, tmp_path, faulty, 60)
     assert code != 0
     assert f"error: rank {rank}: RuntimeError: injected fault" in err
     check_results_file(out, 300)
@@ -436,21 +429,8 @@ def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_p
     assert not re.search(r'File ".*(tp_engine|launch)/', err) and "C++" not in err, err[-3000:]
 
 
-SLOW_RANK_0 = """
-import os, sys, time
-sys.path.insert(0, {root!r})
-from tp_engine import scheduler
-if os.environ["RANK"] == "0":
-    real, calls = scheduler.Scheduler.issue, [0]
-    def issue(self, plan):
-        calls[0] += 1
-        if calls[0] == 5:  # rank 0 busy between two steps: rank 1 waits for the step message
-            time.sleep(60)
-        return real(self, plan)
-    scheduler.Scheduler.issue = issue
-from tp_engine.cli import main
-sys.exit(main())
-"""
+# rank 0 busy between two steps: rank 1 waits for the step message
+SLOW_RANK_0 = on_call("scheduler.Scheduler.issue", "0", 5, "time.sleep(60)")
 
 
 def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):
