@@ -225,11 +225,10 @@ class Engine:
     # ---- the generation loop, on rank 0 ----
 
     def new_scheduler(self) -> Scheduler:
-        c = self.cfg
         self.pool.reset_refs()  # a run that ended early may have left references behind
         self.tables.clear()
-        return Scheduler(self.pool, c["max_batch_size"], c["max_prefill_tokens"], self.max_request_len,
-                         self.model_cfg.eos_token_ids, c["max_prefill_cost_while_decoding"],
+        return Scheduler(self.pool, self.cfg["max_batch_size"], self.cfg["max_prefill_tokens"], self.max_request_len,
+                         self.model_cfg.eos_token_ids, self.cfg["max_prefill_cost_while_decoding"],
                          self.model_cfg.attention_span)
 
     def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
@@ -274,7 +273,8 @@ class Engine:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
         returns without waiting for the GPU."""
         reqs = plan.reqs
-        seeds = [request_seed(r.params.seed, r.index, r.sample) for r in reqs]
+        seeds = [request_seed(self.cfg["seed"] if r.params.seed is None else r.params.seed, r.index, r.sample)
+                 for r in reqs]  # params that name no seed: the config's
         steps = [r.num_outputs for r in reqs]  # the output index each request samples now
         batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device, self.tables)
         logits = self.forward(batch)[: len(reqs)]

@@ -6,7 +6,6 @@ Every rank constructs the LLM and calls `generate` with the same arguments; rank
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import logging
 import sys
@@ -101,8 +100,6 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.seed is None:  # the LLM's own seed
-            params = dataclasses.replace(params, seed=self.cfg["seed"])
         if not self.rank0:
             self.engine.follow()
             return None
