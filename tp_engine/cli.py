@@ -236,8 +236,10 @@ def install_signal_handlers(rank: int) -> None:
     stopping = threading.Lock()
 
     def stop(signum, frame):
-        if frame is not None and rank == 0 and _SINK is not None and _SINK.printing and not _LATE:
-            _LATE.append(signum)  # let close() finish printing (a line cut short would be lost): run() exits
+        if frame is not None and rank == 0 and _SINK is not None and _SINK.printing:
+            # let close() finish printing (a line cut short would be lost): run() exits after it. torchrun
+            # follows a Ctrl-C with SIGTERM: that one waits too.
+            _LATE[:] = _LATE or [signum]
             return
         if not stopping.acquire(blocking=False):
             return  # already stopping (a second Ctrl-C, or the other thread below)
