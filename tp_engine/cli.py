@@ -264,8 +264,8 @@ def install_signal_handlers(rank: int) -> None:
             signum = os.read(read_end, 1)[0]
             if signum in (signal.SIGINT, signal.SIGTERM):
                 time.sleep(1.0)  # the main thread's handler normally exits first
-                if _LATE:  # the main thread is printing the results and exits after
-                    continue
+                if _LATE or (rank == 0 and _SINK is not None and _SINK.printing):  # the main thread prints the
+                    continue  # results, and its handler (it runs once a write returns) then exits after them
                 stop(signum, None)
 
     threading.Thread(target=watch, name="signal-watch", daemon=True).start()
