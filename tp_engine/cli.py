@@ -234,9 +234,10 @@ def install_signal_handlers(rank: int) -> None:
     """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
     an output file, prints them to stdout before it exits."""
     stopping = threading.Lock()
+    printing = lambda: rank == 0 and _SINK is not None and _SINK.printing  # noqa: E731 - close() prints results
 
     def stop(signum, frame):
-        if frame is not None and rank == 0 and _SINK is not None and _SINK.printing:
+        if frame is not None and printing():
             # let close() finish printing (a line cut short would be lost): run() exits after it. torchrun
             # follows a Ctrl-C with SIGTERM: that one waits too.
             _LATE[:] = _LATE or [signum]
@@ -264,7 +265,7 @@ def install_signal_handlers(rank: int) -> None:
             signum = os.read(read_end, 1)[0]
             if signum in (signal.SIGINT, signal.SIGTERM):
                 time.sleep(1.0)  # the main thread's handler normally exits first
-                if _LATE or (rank == 0 and _SINK is not None and _SINK.printing):  # the main thread prints the
+                if _LATE or printing():  # the main thread prints the
                     continue  # results, and its handler (it runs once a write returns) then exits after them
                 stop(signum, None)
 
