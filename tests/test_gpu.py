@@ -161,6 +161,64 @@ def test_fused_kernels_match_torch():
     assert torch.equal(got, want)
 
 
+def _torch_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_fused_gate_up_silu_matches_the_torch_mlp():
+    """The MLP's gate/up matmul and silu * up in one kernel (kernels/mlp.py), every tile, on Qwen3-0.6B's and
+    Qwen3-8B's MLP shapes with bf16 and block-FP8 weights: within bf16 rounding of the torch MLP (the roundings
+    are the same, the sums run in another order); the timed choice too, and in a CUDA graph."""
+    from tp_engine.kernels import mlp, select
+    from tp_engine.layers.fp8 import ScaleLayout
+
+    select(DEV, "on", fp8=True)
+    g = torch.Generator(device=DEV).manual_seed(3)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    for i, k in ((3072, 1024), (12288, 4096)):
+        x = torch.randn(1, k, device=DEV, generator=g).to(BF16)
+        w = (torch.randn(2 * i, k, device=DEV, generator=g) * 0.03).to(BF16)
+        lay = ScaleLayout({0: (0, i, 0, i), 1: (i, i, 0, i)}, (0, k, k))
+        w8 = (torch.randn(2 * i, k, device=DEV, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s8 = torch.rand(lay.rows, lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
+        fp8 = (s8, lay.scale_row.to(DEV), lay.row_align, False)
+        for weight, q, ref in ((w, None, _torch_mlp(x, w)), (w8, fp8, _torch_mlp(x, lay.dequantize(w8, s8, BF16)))):
+            for tile in mlp.tiles(q):
+                got = mlp.fused(x, weight, tile, q)
+                assert rel(got, ref) < 5e-3, (i, k, tile, q is not None)
+                if q is None:
+                    assert (got == ref).float().mean() > 0.98, (i, k, tile)
+            assert rel(mlp.gate_up_silu(x, weight, q), ref) < 5e-3  # the timed choice
+            xs = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = mlp.gate_up_silu(xs, weight, q)
+            xs.copy_(torch.randn(xs.shape, device=DEV, generator=g))
+            graph.replay()
+            assert torch.equal(out, mlp.gate_up_silu(xs, weight, q))
+
+
+def test_fused_gate_up_silu_in_the_engine_matches_hf(tiny_ckpt, hf_model, hf_ref, monkeypatch):
+    """Graph decode with every MLP through the fused gate/up kernel (whatever the timing would pick): greedy
+    tokens as transformers' bf16 ones, up to near ties."""
+    needs_flashinfer()
+    from tp_engine.kernels import mlp
+    fused, calls = mlp.fused, []
+    monkeypatch.setattr(mlp, "_CHOICE", {})
+    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: mlp.tiles(fp8)[0])
+    monkeypatch.setattr(mlp, "fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    m = llm(tiny_ckpt)
+    ours = [generate(m, [p], max_new_tokens=12)[0] for p in PARITY_PROMPTS]  # batch 1, where it runs
+    del m
+    torch.cuda.empty_cache()
+    assert calls, "the fused kernel did not run"
+    assert_parity(hf_ref, PARITY_PROMPTS, ours, hf_greedy(hf_model, PARITY_PROMPTS, 12))
+
+
 # ---- whole engine ----
 
 def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):

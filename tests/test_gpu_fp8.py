@@ -156,6 +156,23 @@ def test_fp8_greedy_matches_transformers_on_dequantized_weights(ckpts, hf_deq):
     assert_parity(hf_deq[torch.float32], PARITY_PROMPTS, ours, hf_greedy(hf_deq[BF16], PARITY_PROMPTS, 12))
 
 
+def test_fp8_mlp_through_the_fused_gate_up_kernel_matches_transformers(ckpts, hf_deq, monkeypatch):
+    """Every MLP's FP8 gate/up and silu * up in one kernel (kernels/mlp.py), whatever the timing would pick: the tokens of transformers on the
+    dequantized weights, up to near ties."""
+    needs_flashinfer()
+    from tp_engine.kernels import mlp
+    fused, calls = mlp.fused, []
+    monkeypatch.setattr(mlp, "_CHOICE", {})
+    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: mlp.tiles(fp8)[-1])
+    monkeypatch.setattr(mlp, "fused", lambda *a, **k: calls.append(a[3] is not None) or fused(*a, **k))
+    m = llm(ckpts["fp8"])
+    ours = [generate(m, [p], max_new_tokens=12)[0] for p in PARITY_PROMPTS]  # batch 1, where it runs
+    del m
+    torch.cuda.empty_cache()
+    assert calls and all(calls), "the fused FP8 kernel did not run"
+    assert_parity(hf_deq[torch.float32], PARITY_PROMPTS, ours, hf_greedy(hf_deq[BF16], PARITY_PROMPTS, 12))
+
+
 @pytest.mark.parametrize("gemm", ["weight_only", "w8a8"])
 def test_fp8_graph_decode_equals_eager_and_follows_bf16(ckpts, gemm, monkeypatch):
     """CUDA-graph decode with flashinfer's attention runs the kernels eager decode runs, on the same shapes:

@@ -164,7 +164,7 @@ def _spills(kernel) -> str | None:
 
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_compile_for_sm90():
-    from tp_engine.kernels import moe, moe_grouped as g
+    from tp_engine.kernels import mlp, moe, moe_grouped as g
 
     bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "wts_ptr", "logits_ptr")}
     ints = {name: "*i32" for name in ("ids_ptr", "counts_ptr", "ranks_ptr", "starts_ptr", "total_ptr",
@@ -173,10 +173,14 @@ def test_kernels_compile_for_sm90():
     kernels = [(moe._topk_softmax_kernel, dict(K=8, K_P2=8, RENORM=True, BLOCK_E=128, PDL=True), 1, 1),
                (g._count_kernel, dict(BLOCK=1024), 4, 1), (g._scatter_kernel, dict(BLOCK=1024), 4, 1),
                (g._offsets_kernel, dict(BM=16, E_P2=128, BB=64, FILL=1024), 4, 1)]
-    # every tile the few-token path may pick, at the widest step it runs, for bf16 and FP8 experts
+    # every tile the few-token path may pick, at the widest step it runs, for bf16 and FP8 experts; and every
+    # tile of the dense MLP's gate/up + SiLU (kernels/mlp.py), the same kernel with one fixed expert
     for fp8 in (False, True):
-        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8, PDL=True), warps, 3)
-                    for bn, bk, warps in moe.GEMV_TILES]
+        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8, ROUTED=True, LINES=1, PDL=True),
+                     warps, 3) for bn, bk, warps in moe.GEMV_TILES]
+        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=1, BN=bn, BK=bk, FP8=fp8, ROUTED=False,
+                                                    LINES=bk // (128 if fp8 else 64), PDL=True), warps, 3)
+                    for bn, bk, warps in mlp.TILES]
         kernels += [(moe._gemv_down_kernel, dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=fp8, PDL=True), warps, 3)
                     for bn, bk, warps in moe.DOWN_TILES]
         for cfg in (g.SMALL, g.LARGE):

@@ -8,6 +8,8 @@ where torch would), so swapping one for the other changes results only through t
   `silu_mul` (silu(gate) * up of the MLP).
 - kernels/gemv.py: `linear`, a batch-1 matmul through a GEMV kernel for the weight shapes where that
   measures faster than cuBLAS (the choice is made once per shape, by timing both).
+- kernels/mlp.py: `gate_up_silu`, the MLP's gate/up matmul and silu * up in one kernel at one token, where
+  that measures faster than the two.
 - kernels/sampling.py: `gumbel_argmax` (the sampler's temperature + hashed Gumbel noise + argmax, reading
   the logits once), `topk_candidates` and `draw_among` (top-k / top-p sampling: each row's top-k ids in
   one pass, then the draw among them) and `resolve_tokens` (the previous step's sampled tokens into the
@@ -66,10 +68,11 @@ _CHOSEN: dict[str, object] = {}  # "ops": what fused_ops returns on CUDA, once d
 
 
 def _ops() -> SimpleNamespace:
-    from . import fp8, gemv, moe, norm, sampling  # the kernel modules import the helpers below from this one
+    from . import fp8, gemv, mlp, moe, norm, sampling  # the kernel modules import the helpers below from this one
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
-                           silu_mul=norm.silu_mul, linear=gemv.linear, gumbel_argmax=sampling.gumbel_argmax,
+                           silu_mul=norm.silu_mul, gate_up_silu=mlp.gate_up_silu, linear=gemv.linear,
+                           gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens,
                            topk_candidates=sampling.topk_candidates, draw_among=sampling.draw_among,
                            moe_topk_softmax=moe.topk_softmax,
@@ -78,7 +81,7 @@ def _ops() -> SimpleNamespace:
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, linear, gumbel_argmax, resolve_tokens, topk_candidates,
+    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, gumbel_argmax, resolve_tokens, topk_candidates,
     draw_among, moe_topk_softmax, fused_moe and fp8_linear.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine

@@ -28,7 +28,7 @@ GEMV_MAX_TOKENS = 4  # up to this many tokens, the GEMV path; the grouped GEMMs 
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _exp, _pdl_wait, _round, _silu_mul
+    from tp_engine.kernels import _exp, _pdl_wait, _prefetch_l2, _round, _silu_mul
 
     @triton.jit
     def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, K: tl.constexpr, K_P2: tl.constexpr,
@@ -56,10 +56,13 @@ if triton is not None:
     @triton.jit
     def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride, s_ptr, srow_ptr,
                              s_se, s_sr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                             PDL: tl.constexpr):
+                             ROUTED: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
         """FP8: the BN rows share a scale row (BN divides the layout's row_align), so the block scales multiply
-        the activations, one per column, not the weights."""
-        _pdl_wait(PDL)  # the expert ids come from the kernel before
+        the activations, one per column, not the weights. ROUTED: the expert ids come from the kernel before;
+        otherwise (a dense MLP, kernels/gemv.gate_up_silu) they are fixed, and the first weight tile is on its
+        way to the L2 cache before the wait for x."""
+        if ROUTED:
+            _pdl_wait(PDL)
         s = tl.program_id(0)
         first = tl.program_id(1) * BN
         n = first + tl.arange(0, BN)
@@ -71,6 +74,13 @@ if triton is not None:
         if FP8:
             s_gate = s_ptr + e * s_se + tl.load(srow_ptr + first) * s_sr
             s_up = s_ptr + e * s_se + tl.load(srow_ptr + I + first) * s_sr
+        if not ROUTED:
+            if PDL:  # one address per 128-byte line of each row's first tile (LINES of them)
+                lines = w_ptr + tl.minimum(n, I - 1)[:, None].to(tl.int64) * w_sn + tl.minimum(
+                    tl.arange(0, LINES) * (BK // LINES), K - 1)[None, :]
+                _prefetch_l2(lines)
+                _prefetch_l2(lines + I * w_sn)
+            _pdl_wait(PDL)
         acc_g = tl.zeros([BN, BK], dtype=tl.float32)
         acc_u = tl.zeros([BN, BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -160,7 +170,7 @@ def _gate_up(x, gate_up, ids, tile, scales: ExpertScales | None = None) -> torch
     _gemv_gate_up_kernel[(n * k, triton.cdiv(i, bn))](
         x, gate_up, ids, act, h, i, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         *scale_args(scales, False, x)[:4], TOP_K=k, BN=bn, BK=min(bk, triton.next_power_of_2(h)),
-        FP8=scales is not None, num_warps=warps, **pdl_args(x.device))
+        FP8=scales is not None, ROUTED=True, LINES=1, num_warps=warps, **pdl_args(x.device))
     return act
 
 

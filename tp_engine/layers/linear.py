@@ -117,6 +117,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
+    def silu_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] layer through the fused kernels `ops` (the MLP on the GPU): at one
+        token, matmul and activation in one kernel where that is faster (kernels/mlp.py)."""
+        if self.bias is not None:
+            return ops.silu_mul(self(x))
+        q = self.quant  # a column-parallel shard starts at column 0: no column shift
+        fp8 = None if q is None else (self.weight_scale_inv, self.scale_row, q.row_align, q.w8a8)
+        return ops.gate_up_silu(x, self.weight, fp8)
+
     def row_parts(self) -> dict:
         tp, parts, offset = self.tp, {}, 0
         for i, full in enumerate(self.out_sizes):

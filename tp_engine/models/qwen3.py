@@ -45,11 +45,10 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False)  # as o_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = fused_ops(gate_up.device)
-        if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))  # silu(gate) * up in one kernel
-        gate, up = gate_up.chunk(2, dim=-1)
+        ops = fused_ops(x.device)
+        if ops is not None:  # silu(gate) * up in one kernel, or in the matmul's at one token
+            return self.down_proj(self.gate_up_proj.silu_mul(x, ops))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

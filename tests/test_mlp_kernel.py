@@ -1,0 +1,60 @@
+"""The dense MLP's fused gate/up + SiLU at one token (tp_engine/kernels/mlp.py), checked without a GPU: every tile
+in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the torch MLP, with bf16, fp32 and block-FP8
+weights, on shapes below the tile sizes (the masks) and an FP8 shard whose scale rows change inside a part.
+tests/test_moe_kernels.py compiles the tiles for sm_90; tests/test_gpu.py runs them on a GPU."""
+import pytest
+
+pytest.importorskip("triton")
+
+from triton_interpreter import run_script  # noqa: E402
+
+INTERPRETER_SCRIPT = r'''
+import torch
+import torch.nn.functional as F
+import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
+
+from tp_engine.kernels import mlp
+from tp_engine.layers.fp8 import ScaleLayout
+
+
+def torch_mlp(x, w):  # models/qwen3.Qwen3MLP without the fused kernels
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+torch.manual_seed(0)
+I, K = 40, 72
+for dt in (torch.float32, torch.bfloat16):
+    w = (torch.randn(2 * I, K) * 0.2).to(dt)
+    x = torch.randn(1, K).to(dt)
+    ref = torch_mlp(x, w)
+    for tile in mlp.TILES:
+        got = mlp.fused(x, w, tile)
+        assert got.shape == (1, I) and got.dtype == dt
+        # the same roundings as the torch MLP; only the sums inside the products run in another order
+        torch.testing.assert_close(got, ref, msg=f"{dt} {tile}")
+
+# block-FP8: rank 1 of 2 of a 320-row gate and up (each rank's part starts 32 rows into a block), 200 columns
+FULL, H, r = 320, 200, 1
+n = FULL // 2
+lay = ScaleLayout({0: (0, n, r * n, FULL), 1: (n, n, r * n, FULL)}, (0, H, H))
+assert lay.row_align == 32 and lay.k_shift == 0
+w = (torch.randn(2 * n, H) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+scale = torch.rand(lay.rows, lay.col_blocks[1]) / 600 + 1e-4
+assert set(mlp.tiles((scale, lay.scale_row, 32, False))) == {t for t in mlp.TILES if 32 % t[0] == 0}
+for dt in (torch.float32, torch.bfloat16):
+    x = torch.randn(1, H).to(dt)
+    ref = torch_mlp(x, lay.dequantize(w, scale, dt))
+    for tile in mlp.tiles((scale, lay.scale_row, lay.row_align, False)):
+        got = mlp.fused(x, w, tile, (scale, lay.scale_row, lay.row_align, False))
+        # the scales multiply the activations, so the weights skip the reference's rounding to bf16 (2**-9
+        # of each)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < (1e-5 if dt == torch.float32 else 0.01), (dt, tile, err)
+print("interpreter ok")
+'''
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fused_gate_up_silu_matches_the_torch_mlp_in_interpreter(tmp_path):
+    run_script(INTERPRETER_SCRIPT, tmp_path)
