@@ -77,7 +77,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None = None) -> 
     block-FP8 w, as layers/fp8.py lays them out (a column-parallel shard: no column shift)."""
     if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous() or (fp8 is None and x.dtype != w.dtype):
         return split(x, w, fp8)
-    key = (tuple(w.shape), w.dtype, x.dtype, None if fp8 is None else fp8[2], x.device.index)
+    key = (tuple(w.shape), w.dtype, x.dtype, None if fp8 is None else fp8[2:], x.device.index)
     choice = _CHOICE.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
