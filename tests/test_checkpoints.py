@@ -111,3 +111,32 @@ def test_a_weight_file_that_is_a_broken_link_or_an_index_that_is_not_utf8_is_nam
     (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a valid safetensors index"):
         checkpoint_files(str(tmp_path))
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    for key in [k for k, v in changes.items() if v is ...]:
+        del cfg[key]
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes", [{"use_sliding_window": True},  # sliding_window null, as Qwen3 ships it
+                                     {"use_sliding_window": True, "sliding_window": 4},  # layer_types: all full
+                                     {"use_sliding_window": True, "sliding_window": 4, "layer_types": ...}])
+def test_use_sliding_window_where_no_layer_slides_loads_as_transformers_runs_it(tmp_path, changes):
+    """transformers slides no layer of these (a window of 4 would change its tokens): full attention, as here.
+    The engine refused every config with use_sliding_window true."""
+    path = make_checkpoint(tmp_path / "m")  # 2 layers; max_window_layers 28
+    _edit_config(path, **changes)
+    assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("changes", [{"layer_types": ["full_attention", "sliding_attention"]},
+                                     {"layer_types": ..., "max_window_layers": 1}])
+def test_a_layer_with_a_sliding_window_is_refused_naming_it(tmp_path, changes):
+    path = make_checkpoint(tmp_path / "m")
+    _edit_config(path, use_sliding_window=True, sliding_window=4, **changes)
+    with pytest.raises(StartupError, match=r"config.json: sliding-window attention is not supported "
+                                           r"\(use_sliding_window=true with sliding_window=4 makes layer 1 use it\)"):
+        LLM(model=str(path), device="cpu")

@@ -112,6 +112,8 @@ CONFIG_JSON_CASES = {
     "bool_for_int": ({"hidden_size": True}, "field 'hidden_size' must be an integer >= 1, got true"),
     "string_for_bool": ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false"),
     "not_an_object": ([1, 2], "must hold a JSON object, got list"),
+    "string_for_window_layers": ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "1"},
+                                 "field 'max_window_layers' must be an integer >= 0, got \"1\""),
 }
 
 

@@ -61,8 +61,10 @@ class ModelConfig:
         missing = [k for k in required if k not in raw]
         if missing:
             raise ModelError(f"{where} is missing required field(s): {', '.join(missing)}")
-        if raw.get("use_sliding_window"):
-            raise ModelError(f"{where}: use_sliding_window=true is not supported")
+        sliding = _first_sliding_layer(raw, kind)
+        if sliding is not None:
+            raise ModelError(f"{where}: sliding-window attention is not supported (use_sliding_window=true with "
+                             f"sliding_window={json.dumps(raw['sliding_window'])} makes layer {sliding} use it)")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -125,6 +127,22 @@ class ModelConfig:
                              f"size {tp}: it must divide evenly")
         if self.moe is not None:
             self.moe.check_tp(tp)
+
+
+def _first_sliding_layer(raw: dict, kind: str) -> int | None:
+    """The first layer transformers runs with sliding-window attention, if any. None without both
+    use_sliding_window and a sliding_window (Qwen3's configs have sliding_window null); else every layer of
+    Qwen3-MoE, and the dense model's layers that `layer_types` marks, or without it those from
+    max_window_layers (default 28) on."""
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return None
+    if kind == "qwen3_moe":
+        return 0
+    types = raw.get("layer_types")
+    if types is not None:
+        return next((i for i, t in enumerate(types) if t == "sliding_attention"), None)
+    start = 28 if raw.get("max_window_layers") is None else raw["max_window_layers"]
+    return start if start < raw["num_hidden_layers"] else None
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:
@@ -225,6 +243,12 @@ def check_field_types(raw: Any, where: str) -> None:
     layers = raw.get("mlp_only_layers")
     if layers is not None and not (isinstance(layers, list) and all(_is_int(i) and i >= 0 for i in layers)):
         raise bad("mlp_only_layers", layers, "a list of layer numbers")
+    window_layers = raw.get("max_window_layers")
+    if window_layers is not None and not (_is_int(window_layers) and window_layers >= 0):
+        raise bad("max_window_layers", window_layers, "an integer >= 0")
+    types = raw.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise bad("layer_types", types, "a list of strings")
     arch = raw.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise bad("architectures", arch, "a list of strings")
