@@ -140,3 +140,16 @@ def test_a_layer_with_a_sliding_window_is_refused_naming_it(tmp_path, changes):
     with pytest.raises(StartupError, match=r"config.json: sliding-window attention is not supported "
                                            r"\(use_sliding_window=true with sliding_window=4 makes layer 1 use it\)"):
         LLM(model=str(path), device="cpu")
+
+
+def test_rope_scaling_beside_rope_parameters_is_what_transformers_uses(tmp_path):
+    """transformers 5 writes rope_parameters; a rope_scaling added beside it (as Qwen's model cards describe for
+    YaRN) replaces it there. The engine read rope_parameters alone: it ran default RoPE, other tokens, silently."""
+    path = make_checkpoint(tmp_path / "yarn")
+    _edit_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    with pytest.raises(StartupError, match="rope scaling type 'yarn' is not supported"):
+        LLM(model=str(path), device="cpu")
+    # the same rule for rope_theta: a rope_scaling without it takes the top-level one (or 10000), as transformers
+    path = make_checkpoint(tmp_path / "theta")
+    _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "default"})
+    assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)

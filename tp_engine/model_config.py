@@ -69,11 +69,11 @@ class ModelConfig:
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (only silu)")
         heads = raw["num_attention_heads"]
-        # transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests them in rope_parameters.
-        rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or {}
+        # transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests them in rope_parameters. A
+        # rope_scaling beside rope_parameters (YaRN added as Qwen's model cards say) replaces it in both versions.
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type != "default":
             raise ModelError(f"{where}: rope scaling type {rope_type!r} is not supported (only default RoPE)")
         try:
@@ -225,9 +225,10 @@ def check_field_types(raw: Any, where: str) -> None:
         if f in raw and not (v is None and f in _DERIVED_WHEN_NULL) and not (_is_int(v) and v >= 1):
             raise bad(f, v, "an integer >= 1")
     floats = [(f, raw[f]) for f in _FLOAT_FIELDS if f in raw]
-    rope = raw.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" in rope:
-        floats.append(("rope_parameters.rope_theta", rope["rope_theta"]))
+    for key in _OPTIONAL_DICT_FIELDS:
+        rope = raw.get(key)
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            floats.append((f"{key}.rope_theta", rope["rope_theta"]))
     for f, v in floats:
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
             raise bad(f, v, "a positive number")
