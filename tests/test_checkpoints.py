@@ -142,6 +142,14 @@ def test_a_layer_with_a_sliding_window_is_refused_naming_it(tmp_path, changes):
         LLM(model=str(path), device="cpu")
 
 
+def test_an_absent_sliding_window_is_transformers_default_window(tmp_path):
+    """Without the key, transformers' window is 4096 (null means none): layer 1 slides here."""
+    path = make_checkpoint(tmp_path / "m")
+    _edit_config(path, use_sliding_window=True, sliding_window=..., layer_types=..., max_window_layers=1)
+    with pytest.raises(StartupError, match=r"sliding_window=4096 makes layer 1 use it"):
+        LLM(model=str(path), device="cpu")
+
+
 def test_rope_scaling_beside_rope_parameters_is_what_transformers_uses(tmp_path):
     """transformers 5 writes rope_parameters; a rope_scaling added beside it (as Qwen's model cards describe for
     YaRN) replaces it there. The engine read rope_parameters alone: it ran default RoPE, other tokens, silently."""

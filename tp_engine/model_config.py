@@ -64,7 +64,7 @@ class ModelConfig:
         sliding = _first_sliding_layer(raw, kind)
         if sliding is not None:
             raise ModelError(f"{where}: sliding-window attention is not supported (use_sliding_window=true with "
-                             f"sliding_window={json.dumps(raw['sliding_window'])} makes layer {sliding} use it)")
+                             f"sliding_window={raw.get('sliding_window', 4096)} makes layer {sliding} use it)")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -134,7 +134,7 @@ def _first_sliding_layer(raw: dict, kind: str) -> int | None:
     use_sliding_window and a sliding_window (Qwen3's configs have sliding_window null); else every layer of
     Qwen3-MoE, and the dense model's layers that `layer_types` marks, or without it those from
     max_window_layers (default 28) on."""
-    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:  # absent: transformers' 4096
         return None
     if kind == "qwen3_moe":
         return 0
