@@ -166,6 +166,35 @@ def test_an_llm_after_shutdown_in_the_same_processes(tmp_path):
     assert json.loads((tmp_path / "rank1").read_text()) == [None] * 3
 
 
+TWO_LLMS = """
+import atexit, json, os, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from tp_engine import LLM, SamplingParams
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))  # runs after LLM's own
+params = SamplingParams(max_new_tokens=6)
+first, second, dropped = (LLM(model={model!r}, device="cpu", timeout_s=30) for _ in range(3))
+del dropped  # never shut down: the exit handler counts it
+first.generate({prompts!r}, params)
+first.shutdown()
+outs = second.generate({prompts!r}, params)  # second is shut down at exit
+with open({out!r} + os.environ["RANK"], "w") as f:
+    json.dump(outs, f)
+"""
+
+
+def test_shutting_one_llm_down_leaves_the_others_usable(tmp_path):
+    """The LLMs of a process share its process group: the first one's shutdown() used to destroy it, and the
+    second LLM's generate failed with 'Group ... is not registered'. The last one leaves it, at exit too."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, TWO_LLMS.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
+                                                out=str(tmp_path / "rank")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
+    assert [o["output_token_ids"] for o in json.loads((tmp_path / "rank0").read_text())] == want
+    assert proc.stdout.count("group at exit: False") == 2, proc.stdout
+
+
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
     from tp_engine.config import SCHEMA
     out = subprocess.run([sys.executable, str(GENERATE), "--help"], capture_output=True, text=True, timeout=60).stdout

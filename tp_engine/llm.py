@@ -6,6 +6,7 @@ Every rank constructs the LLM and calls `generate` with the same arguments; rank
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import sys
@@ -24,12 +25,26 @@ from tp_engine.scheduler import Request
 log = logging.getLogger("tp_engine")
 
 
+_OPEN = [0]  # LLMs made in this process and not shut down: they all use its one process group
+
+
+def _leave_group(broken: bool) -> None:
+    """One LLM fewer; the last one leaves the process group (an earlier one would pull it from the others)."""
+    _OPEN[0] -= 1
+    if _OPEN[0] == 0 and not broken:  # ranks out of step would never meet
+        tpd.shutdown()
+
+
 def _shutdown_at_exit(ref) -> None:
     """A script that ends without shutdown() could abort in gloo's teardown after its results were out. Not
     after an uncaught exception: the other ranks may never reach shutdown's barrier."""
+    if getattr(sys, "last_value", None) is not None:
+        return
     llm = ref()
-    if llm is not None and llm.engine is not None and getattr(sys, "last_value", None) is None:
+    if llm is not None:
         llm.shutdown()
+    else:  # dropped without shutdown(): it still counted as one of the group's users
+        _leave_group(False)
 
 
 def sampling_params_from(cfg: dict) -> SamplingParams:
@@ -48,7 +63,9 @@ class LLM:
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
         self.engine = Engine(self.cfg, preflight)
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        _OPEN[0] += 1
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))  # unregistered by shutdown()
+        atexit.register(self._at_exit)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
@@ -200,9 +217,11 @@ class LLM:
         return self._think[0]
 
     def shutdown(self) -> None:
-        """Leave the process group. Call on every rank at the end of a script."""
-        if self.engine is not None and self.engine.broken is None:  # ranks out of step would never meet
-            tpd.shutdown()
+        """Leave the process group (once every LLM of the process is shut down). Call on every rank at the end
+        of a script."""
+        if self.engine is not None:
+            atexit.unregister(self._at_exit)
+            _leave_group(self.engine.broken is not None)
         # Layers hold the group too; free them now rather than during interpreter teardown, where gloo's
         # threads can abort the process.
         self.engine = self.tp = None
