@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 
@@ -100,6 +101,28 @@ def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(t
     from tp_engine import LLM, SamplingParams
     want = LLM(model=str(model), device="cpu").generate(PROMPTS, SamplingParams(max_new_tokens=6))
     assert [o["output_token_ids"] for o in rank0["again"]] == [w["output_token_ids"] for w in want]
+
+
+def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monkeypatch):
+    """At TP 1 no other rank can be out of step: Ctrl-C in the middle of a step (a notebook user stopping a
+    long generate) used to make every later generate refuse with 'the ranks may be out of step'."""
+    from tp_engine import LLM, SamplingParams, engine
+    model = make_checkpoint(tmp_path / "m")
+    prompts = [{"input_ids": list(range(5, 45))}, {"input_ids": list(range(5, 40))}]  # pages the prefix cache keeps
+    llm = LLM(model=str(model), device="cpu", kv_cache={"page_size": 8})
+    forward, calls = engine.Engine.forward, []
+
+    def interrupted(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(self, batch)
+    monkeypatch.setattr(engine.Engine, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, SamplingParams(max_new_tokens=6))
+    again = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o["output_token_ids"] for o in again] == hf_generate(model, [p["input_ids"] for p in prompts], 6)
+    llm.shutdown()
 
 
 BREAKS = """

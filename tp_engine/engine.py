@@ -218,8 +218,8 @@ class Engine:
         """Work that involves the other ranks: a failure inside it leaves them in an unknown state."""
         try:
             yield
-        except BaseException as e:
-            self.broken = self.broken or f"rank {self.tp.rank}: {type(e).__name__}: {e}"
+        except BaseException as e:  # a lone rank (TP 1) cannot be out of step: its next run starts afresh
+            self.broken = self.broken or (f"rank {self.tp.rank}: {type(e).__name__}: {e}" if self.tp.size > 1 else None)
             raise
 
     # ---- the generation loop, on rank 0 ----
