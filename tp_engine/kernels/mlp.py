@@ -75,7 +75,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None = None) -> 
     """silu(gate) * up for x [M, K] and w [2I, K] = [gate | up] on the GPU -> [M, I]. At one token through the
     faster of the fused kernel and `split`; otherwise `split`. fp8: (scale, scale_row, row_align, w8a8) of a
     block-FP8 w, as layers/fp8.py lays them out (a column-parallel shard: no column shift)."""
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous() or (fp8 is None and x.dtype != w.dtype):
+    if x.shape[0] != 1 or not x.is_contiguous() or (fp8 is None and x.dtype != w.dtype):
         return split(x, w, fp8)
     key = (tuple(w.shape), w.dtype, x.dtype, None if fp8 is None else fp8[2:], x.device.index)
     choice = _CHOICE.get(key)

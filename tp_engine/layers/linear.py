@@ -120,7 +120,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] layer through the fused kernels `ops` (the MLP on the GPU): at one
         token, matmul and activation in one kernel where that is faster (kernels/mlp.py)."""
-        if self.bias is not None:
+        if self.bias is not None or x.dim() != 2:
             return ops.silu_mul(self(x))
         q = self.quant  # a column-parallel shard starts at column 0: no column shift
         fp8 = None if q is None else (self.weight_scale_inv, self.scale_row, q.row_align, q.w8a8)
