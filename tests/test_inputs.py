@@ -410,3 +410,32 @@ def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
         req.output_ids.append(t)
         hits.append(LLM._hit_stop(llm, req, ["ab"]))
     assert hits == [False] * (len(ids) - 1) + [True] and req.text == "x "
+
+
+def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found(tmp_path):
+    """decode also skips added tokens marked special in tokenizer.json that the tokenizer does not list among its
+    special tokens (Qwen3's <|fim_prefix|> and five more): the window counted them as text and missed the stop."""
+    import shutil
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from tp_engine.llm import LLM
+    from tp_engine.prompts import PromptEncoder
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / f, tmp_path / f)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    extra = max([*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])]) + 1
+    spec["added_tokens"].append({"id": extra, "content": "<|fim_prefix|>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.convert_tokens_to_ids("<|fim_prefix|>") == extra and extra not in tok.all_special_ids
+    assert tok.decode([extra], skip_special_tokens=True) == ""
+    ids = tok.encode("x a", add_special_tokens=False) + [extra] * 13 + tok.encode("b", add_special_tokens=False)
+    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True),
+                          prompts=PromptEncoder(str(tmp_path)))
+    req = SimpleNamespace(output_ids=[], text=None)
+    hits = []
+    for t in ids:
+        req.output_ids.append(t)
+        hits.append(LLM._hit_stop(llm, req, ["ab"]))
+    assert hits == [False] * (len(ids) - 1) + [True] and req.text == "x "

@@ -120,3 +120,26 @@ def test_only_the_generation_prompt_opens_thinking():
     assert opens([5, 6, 1]) and opens([5, 1, 3, 3])  # the template wrote "<think>\n"
     assert not opens([5, 1, 6, 7, 3, 8])  # "what does <think> mean?", then the assistant's header
     assert not opens([5, 1, 6, 2, 3]) and not opens([5, 6])
+
+
+def test_think_tags_that_decoding_skips_do_not_split(tmp_path):
+    """Added tokens marked special in tokenizer.json are dropped by decoding even when the tokenizer does not list
+    them among its special tokens: with such <think> tags the text has no tags to split at, and a prompt that
+    opened a block made the whole answer `reasoning`, leaving `text` empty."""
+    import json
+
+    from transformers import AutoTokenizer
+    from helpers import ROOT
+    from tp_engine.reasoning import think_tags
+    demo = ROOT / "configs" / "models" / "demo"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / f, tmp_path / f)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        t["special"] = t["special"] or t["content"] in ("<think>", "</think>")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    assert "<think>" not in tok.all_special_tokens and tok.decode([start, end], skip_special_tokens=True) == ""
+    assert think_tags(tok) is None
+    assert think_tags(AutoTokenizer.from_pretrained(str(demo))) == (start, end)  # as Qwen3's: kept in the text

@@ -86,6 +86,14 @@ def load_tokenizer(model_dir: str):
         return None, f"tokenizer failed to load: {e}"
 
 
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids that decoding without special tokens drops: the tokenizer's special tokens, and also the added
+    tokens tokenizer.json marks special without naming them there (Qwen3's <|fim_prefix|> and others)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", None) or ()) | {i for i, t in added.items()
+                                                                          if getattr(t, "special", False)}
+
+
 class PromptEncoder:
     """Prompt -> token ids, for the checkpoint `model_dir` with the config's chat settings."""
 
@@ -106,7 +114,7 @@ class PromptEncoder:
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids `decode` skips: they add no text."""
-        return frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return skipped_ids(self.tokenizer)
 
     def encode_all(self, prompts: list[Prompt]) -> list[list[int] | PromptError]:
         return [self.try_encode(p) for p in prompts]

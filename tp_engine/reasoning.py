@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tp_engine.prompts import skipped_ids
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -16,8 +18,8 @@ def think_tags(tokenizer) -> tuple[int, int] | None:
     if tokenizer is None or not isinstance(template, str) or THINK_START not in template:
         return None
     vocab = tokenizer.get_vocab()
-    special = set(getattr(tokenizer, "all_special_tokens", ()))
-    if any(t not in vocab or t in special for t in (THINK_START, THINK_END)):
+    skipped = skipped_ids(tokenizer)  # tags that decoding drops leave no block to split at
+    if any(t not in vocab or vocab[t] in skipped for t in (THINK_START, THINK_END)):
         return None
     return vocab[THINK_START], vocab[THINK_END]
 
