@@ -265,7 +265,13 @@ def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):
     proc, shm = run_cli({**cfg, "advanced": {"step_channel": "shm"}}, tmp_path, nproc=2, name="shm")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step messages go through gloo" not in proc.stderr  # the mailbox was set up
+    assert "leaked shared_memory" not in proc.stderr  # the ranks exit without tearing down: nothing is left
     assert [x["output_token_ids"] for x in shm] == [x["output_token_ids"] for x in gloo]
+    # a start-up refusal (here of a resume) leaves no mailbox behind either, and says one thing
+    proc, _ = run_cli({**cfg, "advanced": {"step_channel": "shm"}, "resume": True, "seed": 1}, tmp_path, nproc=2,
+                      name="shm")
+    assert proc.returncode != 0 and "resume:" in proc.stderr
+    assert "leaked shared_memory" not in proc.stderr
 
 
 def test_progress_lines_and_quiet(tmp_path):

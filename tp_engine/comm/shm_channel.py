@@ -20,10 +20,10 @@ class ShmChannel:
     HEADER = 8 + 64  # words: two fields, padding, one ack word per rank (up to 64 ranks)
 
     # `tp` below is a comm.group.TPGroup; it is not imported here, since comm.group imports this module
-    def __init__(self, tp, shm, timeout_s: float, owner: bool) -> None:
+    def __init__(self, tp, shm, timeout_s: float) -> None:
         import numpy as np
 
-        self.tp, self.shm, self.timeout_s, self.owner = tp, shm, timeout_s, owner
+        self.tp, self.shm, self.timeout_s = tp, shm, timeout_s
         words = np.ndarray((shm.size // 8,), dtype=np.int64, buffer=shm.buf)
         self.head, self.acks, self.data = words[:2], words[8:8 + tp.size], words[self.HEADER:]
         self.seq = 0
@@ -73,7 +73,9 @@ class ShmChannel:
                 if tp.rank == 0:
                     shm.unlink()
             return None
-        return cls(tp, shm, timeout_s, tp.rank == 0)
+        if tp.rank == 0:  # every rank has it mapped: its name can go now, so no exit (the command line's
+            shm.unlink()  # os._exit, a crash) leaves the segment behind or a resource_tracker "leaked" warning
+        return cls(tp, shm, timeout_s)
 
     def _wait(self, ready) -> None:
         deadline = None
@@ -113,8 +115,6 @@ class ShmChannel:
     def close(self) -> None:
         try:
             self.head = self.acks = self.data = None
-            self.shm.close()
-            if self.owner:
-                self.shm.unlink()
+            self.shm.close()  # its name is gone since create(): the memory goes with the last rank's mapping
         except Exception:
             pass
