@@ -336,3 +336,21 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     assert "other weights: model.safetensors written again (" in str(err.value) and ", the same size)" in str(err.value)
     assert "sampling.logprobs=0, now 2" in str(err.value) and "mtime" not in str(err.value), str(err.value)
 
+
+
+def test_fp8_activations_change_the_run(ckpt, tmp_path):
+    """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only), but
+    resume took its lines for weight_only ones. The default adds nothing to the record: older lines keep `run`."""
+    from tp_engine.config import ConfigError, build_config
+    from tp_engine.results import read_for_resume, run_id, run_settings, write_settings
+
+    def settings(mode):
+        return run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8},
+                                         advanced={"fp8_gemm": mode}), "float32", 1)
+    assert "advanced.fp8_gemm" not in settings("weight_only")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8,
+                               "finish_reason": "length", "run": run_id(settings("weight_only"))}) + "\n")
+    write_settings(out, run_id(settings("weight_only")), settings("weight_only"))
+    with pytest.raises(ConfigError, match='advanced.fp8_gemm="weight_only", now "w8a8"'):
+        read_for_resume(out, "out.jsonl", [[1, 2]], settings("w8a8"))

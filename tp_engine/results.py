@@ -37,6 +37,8 @@ def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None 
     # on, so that lines written before the key existed keep their `run`.
     settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
                      if k != "n" and not (k == "logprobs" and v == 0)})
+    if cfg["advanced"]["fp8_gemm"] != "weight_only":  # fp8 activations change FP8 models' tokens; only when on,
+        settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]  # so that older lines keep their `run`
     for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
         if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
             settings[k] = float(v)
