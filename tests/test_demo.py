@@ -86,3 +86,22 @@ def test_streamer_writes_deltas_and_waits_for_whole_characters():
     streamer.update([1, 2, 3, 4], final=True)
     assert writes[:3] == ["Hel", "lo", "é"]
     assert "".join(writes) == "Helloé\n"
+
+
+def test_streamer_decodes_a_bounded_tail_of_a_long_output():
+    import io
+    from tp_engine.progress import Streamer
+    table = {1: "a", 2: " b", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join(table[i] for i in ids).replace("\ufffdé", "é")
+
+    ids = [[1, 2, 3, 4][i % 4] for i in range(3000)]
+    out = io.StringIO()
+    streamer = Streamer(decode, out, stop=["zz"])
+    for n in range(1, len(ids) + 1):
+        streamer.update(ids[:n])
+    assert out.getvalue() == decode(ids)[:-1]  # all but the last character, held back for the stop string
+    assert sum(decoded) < 200 * len(ids)  # not the whole output at every token (4.5 million ids)
