@@ -125,6 +125,19 @@ def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monk
     llm.shutdown()
 
 
+def test_outputs_do_not_share_lists_with_the_caller_or_each_other(tmp_path):
+    """`prompt_token_ids` was the caller's own input_ids list, shared by the n samples: building the next
+    turn with ids.append(...) changed the earlier outputs, and extending one output changed its siblings'."""
+    from tp_engine import LLM, SamplingParams
+    llm = LLM(model=str(make_checkpoint(tmp_path / "m")), device="cpu")
+    ids = [5, 6, 7]
+    first, second = llm.generate({"input_ids": ids}, SamplingParams(max_new_tokens=2, n=2))
+    ids.append(8)
+    first["prompt_token_ids"].append(9)
+    assert second["prompt_token_ids"] == [5, 6, 7]
+    llm.shutdown()
+
+
 BREAKS = """
 import json, os, sys
 sys.path.insert(0, {root!r})

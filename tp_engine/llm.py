@@ -197,7 +197,7 @@ class LLM:
     def output(self, req: Request, chat: bool = False) -> dict:
         """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
         output may hold a think block to split off as `reasoning`)."""
-        out = {"index": req.index, "sample": req.sample, "prompt_token_ids": req.prompt_ids,
+        out = {"index": req.index, "sample": req.sample, "prompt_token_ids": list(req.prompt_ids),  # its own list
                "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
                "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}

@@ -129,7 +129,7 @@ class PromptEncoder:
     def encode(self, prompt: Prompt) -> list[int]:
         """The ids of one prompt; any failure (the tokenizer's, the chat template's) is raised as PromptError."""
         try:
-            return self._encode(prompt)
+            return list(self._encode(prompt))  # a copy: the caller may reuse its input_ids list meanwhile
         except PromptError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever a template or tokenizer raises concerns this prompt only
