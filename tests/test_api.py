@@ -173,6 +173,33 @@ def test_failure_inside_a_step_makes_every_later_generate_refuse(tmp_path):
     assert json.loads((tmp_path / "rank1").read_text())[0] == "RuntimeError: injected fault"
 
 
+DROPPED = """
+import gc, os, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams, engine
+if os.environ["RANK"] == "1":  # rank 1 fails inside a step
+    def forward(self, batch):
+        raise RuntimeError("injected fault")
+    engine.Engine.forward = forward
+llm = LLM(model={model!r}, device="cpu", timeout_s=5)
+try:
+    llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
+except Exception:
+    pass
+del llm  # dropped without shutdown(); the script then ends normally
+gc.collect()
+"""
+
+
+def test_a_broken_llm_dropped_without_shutdown_does_not_wait_for_its_ranks_at_exit(tmp_path):
+    """The exit handler of a dropped LLM could not see that it had broken, and waited at a barrier the ranks,
+    out of step, never met together (until timeout_s, then an error at exit on every rank)."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, DROPPED.format(root=str(ROOT), model=str(model), prompts=PROMPTS))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
 AGAIN = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})

@@ -46,8 +46,7 @@ def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
 class Engine:
     def __init__(self, cfg: dict, preflight: Callable[[torch.device], None] | None = None) -> None:
         """`preflight(device)` runs on rank 0 before any rank loads weights; see LLM."""
-        self.cfg = cfg
-        self.broken: str | None = None  # why the ranks may be out of step (see check_usable)
+        self.cfg, self.broken = cfg, None  # broken: why the ranks may be out of step (see check_usable)
         try:
             device = comm.pick_device(cfg["device"])
         except ValueError as e:  # the same on every rank: each exits, rank 0 says why
@@ -219,7 +218,8 @@ class Engine:
         try:
             yield
         except BaseException as e:  # a lone rank (TP 1) cannot be out of step: its next run starts afresh
-            self.broken = self.broken or (f"rank {self.tp.rank}: {type(e).__name__}: {e}" if self.tp.size > 1 else None)
+            if self.tp.size > 1:
+                self.broken = self.broken or comm.mark_out_of_step(f"rank {self.tp.rank}: {type(e).__name__}: {e}")
             raise
 
     # ---- the generation loop, on rank 0 ----

@@ -28,11 +28,12 @@ log = logging.getLogger("tp_engine")
 _OPEN = [0]  # LLMs made in this process and not shut down: they all use its one process group
 
 
-def _leave_group(broken: bool) -> None:
-    """One LLM fewer; the last one leaves the process group (an earlier one would pull it from the others)."""
+def _leave_group() -> None:
+    """One LLM fewer; the last one leaves the process group (an earlier one would pull it from the others).
+    An LLM dropped without shutdown() counts until the process exits."""
     _OPEN[0] -= 1
-    if _OPEN[0] == 0 and not broken:  # ranks out of step would never meet
-        tpd.shutdown()
+    if _OPEN[0] == 0:
+        tpd.shutdown()  # not when an engine broke inside a step: the ranks would never meet (comm.shutdown)
 
 
 def _shutdown_at_exit(ref) -> None:
@@ -44,7 +45,7 @@ def _shutdown_at_exit(ref) -> None:
     if llm is not None:
         llm.shutdown()
     else:  # dropped without shutdown(): it still counted as one of the group's users
-        _leave_group(False)
+        _leave_group()
 
 
 def sampling_params_from(cfg: dict) -> SamplingParams:
@@ -221,7 +222,7 @@ class LLM:
         of a script."""
         if self.engine is not None:
             atexit.unregister(self._at_exit)
-            _leave_group(self.engine.broken is not None)
+            _leave_group()
         # Layers hold the group too; free them now rather than during interpreter teardown, where gloo's
         # threads can abort the process.
         self.engine = self.tp = None

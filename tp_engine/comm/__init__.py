@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce, failure_report
 from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, gloo_reason, init_distributed,
-                                  pick_device, set_tp, shutdown)
+                                  mark_out_of_step, pick_device, set_tp, shutdown)
 
-__all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "StartupError",
+__all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "mark_out_of_step",
+           "StartupError",
            "check_startup", "gloo_reason", "enable_fast_all_reduce", "failure_report",
            "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
            "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier", "all_reduce_min"]

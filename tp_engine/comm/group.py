@@ -95,7 +95,20 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
     return _TP
 
 
+_OUT_OF_STEP: list[str] = []  # failures inside a step the ranks share, by any engine of this process
+
+
+def mark_out_of_step(why: str) -> str:
+    """Record that this process's ranks may be out of step (a failure inside a shared step); returns `why`."""
+    _OUT_OF_STEP.append(why)
+    return why
+
+
 def shutdown() -> None:
+    """Leave the process group, after a barrier; not once the ranks may be out of step (they would never
+    meet there), whichever engine of the process broke."""
+    if _OUT_OF_STEP:
+        return
     if dist.is_initialized():
         dist.barrier(group=_TP.cpu_group)  # no rank tears down while another still talks to it
         if _TP.channel is not None:
