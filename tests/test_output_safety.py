@@ -340,14 +340,16 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
 
 def test_fp8_activations_change_the_run(ckpt, tmp_path):
     """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only), but
-    resume took its lines for weight_only ones. The default adds nothing to the record: older lines keep `run`."""
+    resume took its lines for weight_only ones. The default adds nothing to the record (older lines keep
+    `run`), nor does the key for a model without FP8 weights, whose tokens it cannot change."""
     from tp_engine.config import ConfigError, build_config
     from tp_engine.results import read_for_resume, run_id, run_settings, write_settings
 
-    def settings(mode):
+    def settings(mode, fp8=True):
         return run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8},
-                                         advanced={"fp8_gemm": mode}), "float32", 1)
+                                         advanced={"fp8_gemm": mode}), "float32", 1, fp8=fp8)
     assert "advanced.fp8_gemm" not in settings("weight_only")
+    assert settings("w8a8", fp8=False) == settings("weight_only", fp8=False)
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8,
                                "finish_reason": "length", "run": run_id(settings("weight_only"))}) + "\n")

@@ -119,7 +119,8 @@ class Preflight:
         self.encoded = encoder.encode_all(self.prompts)
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(mc, device)
-        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings)
+        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings,
+                                mc.quant is not None)
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
             done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])

@@ -19,9 +19,10 @@ from tp_engine.textio import canonical_json
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
 
 
-def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None = None) -> dict:
+def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None = None, fp8: bool = False) -> dict:
     """Everything that decides a prompt's output tokens. `dtype` is the one in use (`auto` resolved);
-    `max_positions` the model's max_position_embeddings, which `max_model_len: null` stands for."""
+    `max_positions` the model's max_position_embeddings, which `max_model_len: null` stands for; `fp8`: the
+    checkpoint has block-FP8 weights."""
     model = Path(cfg["model"]).resolve()
     settings = {"model": str(model), "dtype": dtype}
     for name in ("config.json", "generation_config.json"):
@@ -37,8 +38,8 @@ def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None 
     # on, so that lines written before the key existed keep their `run`.
     settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
                      if k != "n" and not (k == "logprobs" and v == 0)})
-    if cfg["advanced"]["fp8_gemm"] != "weight_only":  # fp8 activations change FP8 models' tokens; only when on,
-        settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]  # so that older lines keep their `run`
+    if fp8 and cfg["advanced"]["fp8_gemm"] != "weight_only":  # fp8 activations change tokens; only when on, so
+        settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]  # that older lines keep their `run`
     for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
         if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
             settings[k] = float(v)
