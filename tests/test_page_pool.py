@@ -186,3 +186,13 @@ def test_step_message_size_does_not_grow_with_context():
     assert short == long
     B = 3
     assert set(short) == {6 + 8 * B, 6 + 8 * B + B}  # head, 3 per token, 5 per row; plus a page each at times
+
+
+def test_clear_recovers_pages_from_an_alloc_cut_short():
+    """After an exception inside a step (Ctrl-C at TP 1, where the engine runs on), the pool is cleared. A page
+    popped from the free list before its count was set (an alloc cut short) was lost for good."""
+    pool = PagePool(4, 2)
+    pool.register(pool.alloc(1)[0], page_key(ROOT_KEY, [1, 2]))
+    pool.free.pop()  # cut between taking the page and counting its reference
+    pool.clear()
+    assert pool.num_free == 4 and sorted(pool.alloc(4)) == [0, 1, 2, 3] and pool.num_cached == 0

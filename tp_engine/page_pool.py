@@ -110,9 +110,10 @@ class PagePool:
                 self.release([page])
 
     def clear(self) -> None:
-        """Forget every reference and every cached page."""
-        self.reset_refs()
-        self.free.extend(reversed(self.lru))
+        """Forget every reference and every cached page: all pages free, rebuilt from nothing, so that a run
+        cut anywhere (Ctrl-C inside `alloc` or `match`) loses no page."""
+        self.free = list(range(self.num_pages - 1, -1, -1))
+        self.refs = [0] * self.num_pages
         self.lru.clear()
         self.page_of.clear()
         self.key_of.clear()
