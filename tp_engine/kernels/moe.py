@@ -59,7 +59,7 @@ if triton is not None:
                              ROUTED: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
         """FP8: the BN rows share a scale row (BN divides the layout's row_align), so the block scales multiply
         the activations, one per column, not the weights. ROUTED: the expert ids come from the kernel before;
-        otherwise (a dense MLP, kernels/gemv.gate_up_silu) they are fixed, and the first weight tile is on its
+        otherwise (a dense MLP, kernels/mlp.gate_up_silu) they are fixed, and the first weight tile is on its
         way to the L2 cache before the wait for x."""
         if ROUTED:
             _pdl_wait(PDL)
