@@ -393,33 +393,37 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
                for line in lines)
 
 
-def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
-    """The look-back window for stop strings counts tokens; special tokens decode to nothing, so a run of them
-    between a stop string's characters pushed its start out of the window and the stop was missed."""
+def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:
+    """LLM._hit_stop after each token of `ids`, and the request's text once it hit."""
     from types import SimpleNamespace
-    from transformers import AutoTokenizer
     from tp_engine.llm import LLM
     from tp_engine.prompts import PromptEncoder
-    tok = AutoTokenizer.from_pretrained(str(DEMO))
-    special = tok.all_special_ids[0]
-    ids = tok.encode("x a", add_special_tokens=False) + [special] * 13 + tok.encode("b", add_special_tokens=False)
-    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True), prompts=PromptEncoder(str(DEMO)))
+    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True),
+                          prompts=PromptEncoder(str(model_dir)))
     req = SimpleNamespace(output_ids=[], text=None)
     hits = []
     for t in ids:
         req.output_ids.append(t)
-        hits.append(LLM._hit_stop(llm, req, ["ab"]))
-    assert hits == [False] * (len(ids) - 1) + [True] and req.text == "x "
+        hits.append(LLM._hit_stop(llm, req, stop))
+    return hits, req.text
+
+
+def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
+    """The look-back window for stop strings counts tokens; special tokens decode to nothing, so a run of them
+    between a stop string's characters pushed its start out of the window and the stop was missed."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    special = tok.all_special_ids[0]
+    ids = tok.encode("x a", add_special_tokens=False) + [special] * 13 + tok.encode("b", add_special_tokens=False)
+    hits, text = _stop_hits(tok, DEMO, ids, ["ab"])
+    assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
 
 
 def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found(tmp_path):
     """decode also skips added tokens marked special in tokenizer.json that the tokenizer does not list among its
     special tokens (Qwen3's <|fim_prefix|> and five more): the window counted them as text and missed the stop."""
     import shutil
-    from types import SimpleNamespace
     from transformers import AutoTokenizer
-    from tp_engine.llm import LLM
-    from tp_engine.prompts import PromptEncoder
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / f, tmp_path / f)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
@@ -431,11 +435,5 @@ def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found
     assert tok.convert_tokens_to_ids("<|fim_prefix|>") == extra and extra not in tok.all_special_ids
     assert tok.decode([extra], skip_special_tokens=True) == ""
     ids = tok.encode("x a", add_special_tokens=False) + [extra] * 13 + tok.encode("b", add_special_tokens=False)
-    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True),
-                          prompts=PromptEncoder(str(tmp_path)))
-    req = SimpleNamespace(output_ids=[], text=None)
-    hits = []
-    for t in ids:
-        req.output_ids.append(t)
-        hits.append(LLM._hit_stop(llm, req, ["ab"]))
-    assert hits == [False] * (len(ids) - 1) + [True] and req.text == "x "
+    hits, text = _stop_hits(tok, tmp_path, ids, ["ab"])
+    assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
