@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -117,7 +118,11 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
             size = 0
         shards[-1].append(entry)
         size += entry[3]
-    dst_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a destination that is a file, or not writable, fails here rather than after the first shard's work
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=dst_dir).close()
+    except OSError as e:
+        raise SystemExit(f"cannot write into {dst_dir}: {e.strerror or e}") from None
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map, handles = {}, {}
     try:

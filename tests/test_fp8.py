@@ -6,6 +6,7 @@ The model's shapes make every TP split cut blocks: hidden 192 (1.5 blocks), q 8 
 2 x 48 = 96 rows, intermediate 640 (5 blocks; 320 and 160 rows per rank).
 """
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -328,6 +329,24 @@ def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path,
         assert e.value.code == 2 and bad[0] in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
+
+def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
+    """A destination that is a file (or lies under one) gave a traceback; one that is not writable, a traceback
+    after the first shard had been quantized: one message now, before any work, and nothing is touched."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for dst in (afile, afile / "out"):
+        with pytest.raises(SystemExit) as e:
+            quantize_checkpoint(str(ckpts["src"]), str(dst))
+        assert str(e.value).startswith(f"cannot write into {dst}: "), str(e.value)
+    assert afile.read_text() == "keep"
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(SystemExit) as e:
+            quantize_checkpoint(str(ckpts["src"]), str(locked))
+        assert str(e.value).startswith(f"cannot write into {locked}: "), str(e.value)
+        assert not any(locked.iterdir())
 
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
