@@ -39,7 +39,7 @@ def parse_size(text: str) -> int:
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
     unit = next((u for u in units if text.upper().endswith(u)), None)
     size = float(text[:-2]) * units[unit] if unit else float(text)
-    if not size >= 1:
+    if not 1 <= size < float("inf"):  # inf too: int(inf) raises OverflowError, which argparse does not catch
         raise ValueError(text)
     return int(size)
 

@@ -323,7 +323,7 @@ def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path,
     assert (src / "config.json").read_text() == before
     with pytest.raises(SystemExit, match="has no config.json"):
         quantize_checkpoint(str(tmp_path / "nothing"), str(tmp_path / "out"))
-    for bad in (["--shard-size", "5G"], ["--device", "nodevice"]):
+    for bad in (["--shard-size", "5G"], ["--shard-size", "inf"], ["--device", "nodevice"]):
         with pytest.raises(SystemExit) as e:
             main([str(src), str(tmp_path / "out"), *bad])
         assert e.value.code == 2 and bad[0] in capsys.readouterr().err
