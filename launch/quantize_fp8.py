@@ -31,7 +31,7 @@ from tp_engine.loader import checkpoint_files  # noqa: E402
 from tp_engine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
 
-BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
+BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}  # per element, for shard sizes
 
 
 def parse_size(text: str) -> int:

@@ -348,6 +348,21 @@ def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
         assert str(e.value).startswith(f"cannot write into {locked}: "), str(e.value)
         assert not any(locked.iterdir())
 
+def test_quantizer_sizes_float64_tensors(ckpts, tmp_path):
+    """A float64 source's unquantized tensors were counted at 4 bytes an element: shards twice --shard-size and
+    a wrong total_size in the index."""
+    src = tmp_path / "f64"
+    shutil.copytree(ckpts["src"], src)
+    save_file({k: v.double() for k, v in load_file(str(src / "model.safetensors")).items()},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    index = quantize_checkpoint(str(src), str(tmp_path / "out"), shard_bytes=200_000)
+    sizes = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        tensors = load_file(str(f))
+        sizes[f.name] = (len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
+    assert index["metadata"]["total_size"] == sum(b for _, b in sizes.values())
+    assert all(b <= 200_000 for n, b in sizes.values() if n > 1), sizes
+
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
