@@ -133,6 +133,8 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
                     handles[file] = safe_open(str(file), framework="pt")
                 t = handles[file].get_tensor(name)
                 if q:
+                    if not torch.isfinite(t).all():  # its block's scale would be inf: the block would read as NaN
+                        raise SystemExit(f"{file.name}: tensor {name!r} holds NaN or infinite values")
                     w, s = quantize(t.to(device))
                     data[name], data[name + "_scale_inv"] = w.cpu(), s.cpu()
                 else:

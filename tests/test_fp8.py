@@ -363,6 +363,19 @@ def test_quantizer_sizes_float64_tensors(ckpts, tmp_path):
     assert index["metadata"]["total_size"] == sum(b for _, b in sizes.values())
     assert all(b <= 200_000 for n, b in sizes.values() if n > 1), sizes
 
+
+def test_quantizer_refuses_a_weight_with_infinite_values(ckpts, tmp_path):
+    """An inf made its block's scale inf, so every other value of the 128 x 128 block read back as NaN; the
+    checkpoint was written without a word."""
+    src = tmp_path / "inf"
+    shutil.copytree(ckpts["src"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match="'model.layers.0.mlp.down_proj.weight' holds NaN or infinite values"):
+        quantize_checkpoint(str(src), str(tmp_path / "out"))
+
+
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
