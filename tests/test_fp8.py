@@ -491,3 +491,27 @@ def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp
     assert tensors["model.layers.1.self_attn.q_proj.weight"].dtype == FP8
     llm = LLM(model=str(out), device="cpu", sampling={"max_new_tokens": 3})
     assert len(llm.generate([{"input_ids": PROMPTS[0]}])[0]["output_token_ids"]) == 3
+
+
+def test_experts_kept_unquantized_one_by_one(moe_ckpts, tmp_path):
+    """modules_to_not_convert listing every expert of a layer keeps that layer's experts unquantized, as listing
+    q_proj, k_proj and v_proj keeps qkv_proj: the quantizer wrote such checkpoints, which the engine refused
+    with a dtype error. Some experts only: one message naming the layer."""
+    from tp_engine.comm import StartupError
+    from tp_engine.llm import LLM
+    path, _, _ = moe_ckpts
+    out = tmp_path / "kept"
+    each = tuple(f"model.layers.1.mlp.experts.{e}" for e in range(8))
+    quantize_checkpoint(str(path.parent / "bf16"), str(out), modules_to_not_convert=each)
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" not in names
+    assert "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv" in names
+    llm = LLM(model=str(out), device="cpu", sampling={"max_new_tokens": 3})
+    assert len(llm.generate([{"input_ids": PROMPTS[0]}])[0]["output_token_ids"]) == 3
+    llm.shutdown()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = list(each[:3])
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StartupError, match="names only some of the experts of model.layers.1.mlp.experts"):
+        LLM(model=str(out), device="cpu")

@@ -197,25 +197,31 @@ class _Fp8Source:
 def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool, device: torch.device | None = None) -> None:
     """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device` (default:
     where each weight is), except what quantization_config's modules_to_not_convert names (checkpoint names: a
-    fused layer is skipped when all its parts are). Weights built on the meta device (`weights_on_meta`) that
-    stay unquantized are then allocated on `device`."""
+    fused layer, or a MoE layer's experts, is skipped when all its parts are). Weights built on the meta device
+    (`weights_on_meta`) that stay unquantized are then allocated on `device`."""
     packed = getattr(model, "packed_modules", {})
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            if not quant.skips(name):
-                Fp8Experts(module, device)
+        if isinstance(module, FusedMoE):  # one matmul of all its experts' projections, named alike
+            parts = [f"{name}.{rel.rsplit('.', 1)[0]}" for p in (module.gate_up_proj, module.down_proj)
+                     for rel, _ in p.checkpoint_parts]
+            names = [name] if quant.skips(name) else parts
+        elif isinstance(module, LinearBase):
+            parent, _, leaf = name.rpartition(".")
+            names = [f"{parent}.{ckpt}" for ckpt, (ours, _) in packed.items() if ours == leaf] or [name]
+        else:
             continue
-        if not isinstance(module, LinearBase):
-            continue
-        parent, _, leaf = name.rpartition(".")
-        names = [f"{parent}.{ckpt}" for ckpt, (ours, _) in packed.items() if ours == leaf] or [name]
         skipped = [quant.skips(n) for n in names]
         if all(skipped):
             continue
+        experts = isinstance(module, FusedMoE)
         if any(skipped):
-            raise ValueError(f"quantization_config.modules_to_not_convert names only some of {', '.join(names)}; "
+            some = f"the experts of {name}" if experts else ", ".join(names)
+            raise ValueError(f"quantization_config.modules_to_not_convert names only some of {some}; "
                              "they run as one matmul here and must be quantized alike")
-        Fp8Weight(module, w8a8, device)
+        if experts:
+            Fp8Experts(module, device)
+        else:
+            Fp8Weight(module, w8a8, device)
     if device is not None:
         _materialize(model, device)
 
