@@ -117,6 +117,9 @@ def test_moe_intermediate_that_cannot_split_names_both_numbers():
         ModelConfig.from_dict(moe_config(num_experts=8, num_experts_per_tok=9))
     with pytest.raises(ModelError, match="moe_intermediate_size"):
         ModelConfig.from_dict({k: v for k, v in moe_config().items() if k != "moe_intermediate_size"})
+    # no sparse layer: the experts' size is never split (transformers runs such a model with dense MLPs)
+    for dense in ({"mlp_only_layers": [0, 1]}, {"decoder_sparse_step": 3}):
+        ModelConfig.from_dict(moe_config(moe_intermediate_size=100, num_hidden_layers=2, **dense)).check_tp(8)
 
 
 def test_startup_error_through_the_command_line(tmp_path):

@@ -121,11 +121,12 @@ class ModelConfig:
         if kv % tp and tp % kv:
             raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
                              f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
-        dense_layers = self.moe is None or any(not self.moe.is_sparse(i) for i in range(self.num_layers))
-        if dense_layers and self.intermediate_size % tp:
+        # each inner size must split only where a layer uses it (transformers runs the others as it does)
+        sparse = [self.moe is not None and self.moe.is_sparse(i) for i in range(self.num_layers)]
+        if not all(sparse) and self.intermediate_size % tp:
             raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across tensor-parallel "
                              f"size {tp}: it must divide evenly")
-        if self.moe is not None:
+        if any(sparse):
             self.moe.check_tp(tp)
 
 
