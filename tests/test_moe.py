@@ -161,11 +161,14 @@ def _load(path):
     ("missing", ["missing tensor", "model.layers.0.mlp.experts.3.up_proj.weight"]),
     ("shape", ["model.layers.0.mlp.experts.3.up_proj.weight", "[32, 64]", "[31, 64]"]),
     ("unexpected", ["unexpected tensor", "model.layers.0.mlp.experts.8.up_proj.weight"]),
+    ("fused", ["unexpected tensor 'model.layers.0.mlp.experts.gate_up_proj'", "fused", "one per expert"]),
 ])
 def test_strict_expert_names_and_shapes(ckpts, tmp_path, case, needles):
     change = {"missing": lambda n, t: t.pop(n),
               "shape": lambda n, t: t.update({n: t[n][:31]}),
-              "unexpected": lambda n, t: t.update({n.replace("experts.3", "experts.8"): t[n].clone()})}[case]
+              "unexpected": lambda n, t: t.update({n.replace("experts.3", "experts.8"): t[n].clone()}),
+              # as some exports store them: all experts of a layer in one tensor (transformers 5 loads it)
+              "fused": lambda n, t: t.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 64, 64)})}[case]
     path = _break(ckpts["renorm_dense_layer"], tmp_path / case, change)
     with pytest.raises(CheckpointError) as err:
         _load(path)

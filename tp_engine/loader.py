@@ -143,6 +143,10 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                         unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
                         hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
                                 if name.endswith(".weight_scale_inv") and unquantized else "")
+                        if name.rpartition(".")[0].endswith(".mlp.experts"):  # mlp.experts.gate_up_proj: no expert id
+                            hint = ("; the checkpoint stores each layer's experts fused in one tensor, this engine "
+                                    "loads one per expert (mlp.experts.E.gate_proj.weight, up_proj, down_proj), as "
+                                    "Qwen's releases and transformers' save_pretrained write them")
                         raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
                     if name in seen:  # which copy transformers takes depends on its version: refuse both
                         raise CheckpointError(f"tensor '{name}' is in both {seen[name]} and {file.name}")
