@@ -214,3 +214,17 @@ def test_bench_checkpoint_names_match_the_model_and_floor():
     assert 5.8e9 < active < 6.2e9, active
     assert 680 < bench.HBM_BYTES_PER_S / active < 720  # the issue's floor, ~690 tok/s
     assert bench.active_weight_bytes(big, tp=2) < active * 0.55
+
+
+def test_dummy_weights_give_every_rank_the_same_router(tmp_path):
+    """load_format dummy draws each rank's weights from seed + rank: the replicated router too, so at TP > 1
+    the ranks picked different experts for the same token (benchmarks of MoE shapes routed unlike any model)."""
+    from tp_engine.loader import init_dummy
+    cfg = ModelConfig.from_dir(str(make_moe_checkpoint(tmp_path / "m")))
+    models = [build_model(cfg) for _ in range(2)]
+    for rank, model in enumerate(models):
+        init_dummy(model, seed=5, rank=rank)
+    a, b = (dict(m.named_parameters()) for m in models)
+    router = [n for n in a if n.endswith("mlp.gate.weight")]
+    assert router and all(torch.equal(a[n], b[n]) for n in router)
+    assert not torch.equal(a["model.layers.0.self_attn.qkv_proj.weight"], b["model.layers.0.self_attn.qkv_proj.weight"])

@@ -136,7 +136,7 @@ class Engine:
         if quant is not None:  # fp8 shards and their scales, on the device
             quantize_linears(model, quant, self.cfg["advanced"]["fp8_gemm"] == "w8a8", self.device)
         if self.cfg["load_format"] == "dummy":
-            init_dummy(model, self.cfg["seed"] + self.tp.rank)
+            init_dummy(model, self.cfg["seed"], self.tp.rank)
         else:
             load_checkpoint(model, self.cfg["model"])
         finish_loading(model)  # CPU: FP8 weights dequantized here, once

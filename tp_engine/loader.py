@@ -194,13 +194,16 @@ def _check_tied_head(params: dict, targets: dict, file: Path) -> None:
                               "tie_word_embeddings to false in config.json for that")
 
 
-def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes (benchmarks of public model shapes without a download)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+def init_dummy(model: nn.Module, seed: int, rank: int = 0) -> None:
+    """Random weights of the right shapes (benchmarks of public model shapes without a download): each rank's
+    shards its own draws, the weights every rank holds whole (`replicated`: the MoE router) the same ones."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    same = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if hasattr(p, "dummy_init"):  # not a plain float tensor (layers/fp8.py): it fills itself
             p.dummy_init(p, gen)
         elif p.dim() == 1:
             p.data.fill_(1.0) if "norm" in name else p.data.zero_()
         else:
-            p.data.normal_(0.0, 0.02, generator=gen)
+            p.data.normal_(0.0, 0.02, generator=same if getattr(p, "replicated", False) else gen)

@@ -29,6 +29,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.weight.replicated = True  # the same values on every rank, random weights too (loader.init_dummy)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (routing weights [N, k] in x's dtype, expert ids [N, k]), largest weight first."""
