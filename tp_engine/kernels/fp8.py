@@ -129,12 +129,10 @@ def _run(choice, x, weight, scale, scale_row, k_shift, row_align, w8a8) -> torch
 
 
 def _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket) -> tuple:
-    from tp_engine.kernels.gemv import _time
+    from tp_engine.kernels.gemv import _time, cold_copies
 
     xs = torch.randn(bucket, x.shape[1], device=x.device, dtype=x.dtype)  # the bucket's largest batch
-    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
-    copies = min(64, max(1, -(-3 * l2 // weight.numel())))
-    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    weights = cold_copies(weight)
     best, best_t = None, float("inf")
     for choice in _candidates(bucket, w8a8, x.dtype == torch.float32):
         try:

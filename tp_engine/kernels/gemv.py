@@ -74,11 +74,15 @@ def _time(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
     return start.elapsed_time(end) / reps
 
 
+def cold_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and copies of it, three L2 caches' worth in all (at most 64 matrices), for `_time` to cycle through."""
+    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
+    return [w] + [w.clone() for _ in range(min(64, max(1, -(-3 * l2 // (w.numel() * w.element_size())))) - 1)]
+
+
 def _choose(x: torch.Tensor, w: torch.Tensor):
     import torch.nn.functional as F
-    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
-    n_copies = min(64, max(1, -(-3 * l2 // (w.numel() * w.element_size()))))
-    weights = [w] + [w.clone() for _ in range(n_copies - 1)]
+    weights = cold_copies(w)
     best, best_t = "torch", _time(lambda m: F.linear(x, m), weights)
     for cfg in GEMV_CONFIGS:
         try:

@@ -56,10 +56,9 @@ def tiles(fp8: tuple | None) -> list[tuple]:
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None):
-    from tp_engine.kernels.gemv import _time
+    from tp_engine.kernels.gemv import _time, cold_copies
 
-    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
-    weights = [w] + [w.clone() for _ in range(min(64, max(1, -(-3 * l2 // (w.numel() * w.element_size())))) - 1)]
+    weights = cold_copies(w)
     best, best_t = "split", _time(lambda m: split(x, m, fp8), weights)
     for tile in tiles(fp8):
         try:
