@@ -248,12 +248,10 @@ def check_field_types(raw: Any, where: str) -> None:
     window_layers = raw.get("max_window_layers")
     if window_layers is not None and not (_is_int(window_layers) and window_layers >= 0):
         raise bad("max_window_layers", window_layers, "an integer >= 0")
-    types = raw.get("layer_types")
-    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
-        raise bad("layer_types", types, "a list of strings")
-    arch = raw.get("architectures")
-    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
-        raise bad("architectures", arch, "a list of strings")
+    for f in ("layer_types", "architectures"):
+        v = raw.get(f)
+        if v is not None and not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
+            raise bad(f, v, "a list of strings")
     _check_eos(raw, where)
 
 
