@@ -81,6 +81,28 @@ def test_small_pool_evicts_and_preempts(ckpt, reference):
     assert pool.num_free == pool.num_pages and not any(pool.refs)  # every reference returned
 
 
+
+def test_max_batch_size_beyond_the_pool_runs(ckpt, reference):
+    """Every running request holds a page, so at most 16 of 16 pages run; a max_batch_size of 10**12 used to
+    try to allocate per-request buffers of that size."""
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16}, max_batch_size=10**12)
+    assert llm.engine.max_batch == 16
+    assert [o["output_token_ids"] for o in generate(llm)] == reference
+
+
+def test_preempted_count_is_the_latest_runs_even_when_it_fails(ckpt, reference):
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16}, max_batch_size=4)
+    generate(llm)
+    assert llm.engine.num_preempted > 0
+
+    def fail(out):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the first request done ends the run, before any preemption
+        llm.generate([{"input_ids": PROMPTS[5]}], SamplingParams(max_new_tokens=NEW), on_finish=fail)
+    assert llm.engine.num_preempted == 0
+    assert [o["output_token_ids"] for o in generate(llm)] == reference
+
 def test_decoded_pages_are_found_by_a_later_prompt(ckpt, reference):
     """Pages filled while decoding are registered too: a second call whose prompt is a first call's prompt and
     output (a conversation's next turn) computes only past them; equal to transformers."""

@@ -108,8 +108,6 @@ class Preflight:
         self.sink: ResultSink | None = None
 
     def __call__(self, device: torch.device) -> None:
-        from tp_engine.engine import auto_dtype  # torch is loaded by now
-
         cfg, target, shown = self.cfg, None, self.cfg["output"]
         if shown:
             target = check_target(shown, {"config file": self.config_path, "prompts_file": cfg["prompts_file"]},
@@ -118,7 +116,7 @@ class Preflight:
         encoder = PromptEncoder.from_config(cfg)
         self.encoded = encoder.encode_all(self.prompts)
         mc = ModelConfig.from_dir(cfg["model"])
-        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(mc, device)
+        dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
         settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings,
                                 mc.quant is not None)
         done, retry = {}, []

@@ -37,12 +37,6 @@ log = logging.getLogger("tp_engine")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def auto_dtype(mc: ModelConfig, device: torch.device) -> str:
-    """CPU: float32. CUDA: the checkpoint's own half-precision dtype, else bfloat16."""
-    half = mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
-    return "float32" if device.type == "cpu" else half
-
-
 class Engine:
     def __init__(self, cfg: dict, preflight: Callable[[torch.device], None] | None = None) -> None:
         """`preflight(device)` runs on rank 0 before any rank loads weights; see LLM."""
@@ -79,22 +73,23 @@ class Engine:
         except ValueError as e:  # no room for a page, or no memory for the pages asked for
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
+        self.max_batch = min(cfg["max_batch_size"], self.kv.num_pages)  # each running request holds a page
         self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
-                                 max_batch=cfg["max_batch_size"], num_pages=self.kv.num_pages)
+                                 max_batch=self.max_batch, num_pages=self.kv.num_pages)
         # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
-        self.last_tokens = torch.zeros(cfg["max_batch_size"], dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.tables = PageTables()  # every running request's pages, kept in step by the step messages
         # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
         self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
-        self.num_preempted = 0  # in the last run (requests recomputed after their pages were taken)
+        self.sched: Scheduler | None = None  # the latest run's
         if device.type == "cuda" and cfg["cuda_graph"] and mc.moe is not None and fused_ops(device) is None:
             log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # see moe.py
         elif device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
             from tp_engine.cuda_graph import GraphRunner
             from tp_engine.piecewise_graph import piecewise_graphs
-            self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]))
+            self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], self.max_batch))
             self.pieces = piecewise_graphs(self)
 
     # ---- set-up ----
@@ -103,7 +98,7 @@ class Engine:
         cfg, device = self.cfg, self.device
         self.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
         mc.check_tp(self.tp.size)
-        self.dtype = DTYPES[cfg["dtype"] if cfg["dtype"] != "auto" else auto_dtype(mc, device)]
+        self.dtype = DTYPES[cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)]
         if device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
         if device.type == "cuda" and self.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
@@ -161,6 +156,11 @@ class Engine:
     def max_request_len(self) -> int:
         """Most tokens (prompt + output) one request may hold: the context, or the whole KV pool."""
         return min(self.max_model_len, self.kv.num_pages * self.kv.page_size)
+
+    @property
+    def num_preempted(self) -> int:
+        """Requests of the latest run recomputed after their pages were taken (so far, if it failed)."""
+        return self.sched.num_preempted if self.sched is not None else 0
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (the tied LM head counted once)."""
@@ -227,7 +227,7 @@ class Engine:
     def new_scheduler(self) -> Scheduler:
         self.pool.reset_refs()  # a run that ended early may have left references behind
         self.tables.clear()
-        return Scheduler(self.pool, self.cfg["max_batch_size"], self.cfg["max_prefill_tokens"], self.max_request_len,
+        return Scheduler(self.pool, self.max_batch, self.cfg["max_prefill_tokens"], self.max_request_len,
                          self.model_cfg.eos_token_ids, self.cfg["max_prefill_cost_while_decoding"],
                          self.model_cfg.attention_span)
 
@@ -238,7 +238,7 @@ class Engine:
         `on_token(req)` may return True to end a request early (stop strings).
         """
         try:
-            sched = self.new_scheduler()
+            sched = self.sched = self.new_scheduler()
             for r in requests:
                 sched.add(r)
             inflight: Issued | None = None
@@ -261,7 +261,6 @@ class Engine:
             if self.broken is None:
                 self.release_followers()
             raise
-        self.num_preempted = sched.num_preempted
         self.release_followers()
 
     def release_followers(self) -> None:

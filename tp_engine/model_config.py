@@ -112,6 +112,11 @@ class ModelConfig:
         weights = h * d * 2 * (self.num_heads + self.num_kv_heads) + 3 * h * inner
         return 2 * weights / (4 * self.num_heads * d)
 
+    def auto_dtype(self, device_type: str) -> str:
+        """dtype `auto`: float32 on CPU; on CUDA the checkpoint's own half-precision dtype, else bfloat16."""
+        half = self.torch_dtype if self.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+        return "float32" if device_type == "cpu" else half
+
     def check_tp(self, tp: int) -> None:
         """Fail early, naming the numbers, when the heads cannot be split across `tp` ranks."""
         if self.num_heads % tp:

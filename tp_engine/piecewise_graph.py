@@ -81,7 +81,7 @@ class PiecewiseGraphs:
         self.hidden = torch.zeros(M, engine.model_cfg.hidden_size, dtype=engine.dtype, device=dev)
         # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]: D rows at most, each
         # with the pages of a context the decode kernel takes (a page shared by several rows is listed for each)
-        self.decode_rows = min(M, engine.cfg["max_batch_size"]) if a.ops is not None else 0
+        self.decode_rows = min(M, engine.max_batch) if a.ops is not None else 0
         D, S = self.decode_rows, self.kv.page_size
         most = D * pages_for(min(decode_attention.MAX_CONTEXT, engine.max_request_len), S)
         self.decode_capacity = D, most  # what attn.prepare may put in it
