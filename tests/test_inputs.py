@@ -249,7 +249,9 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "endless_timeout": (["timeout_s=99999999999"], "config key 'timeout_s' must be between 1 and 2592000"),
     "infinite_temperature": (["sampling.temperature=.inf"], "config key 'sampling.temperature' must be a finite"),
     "template_argument_of_the_engine": (["chat_template_kwargs={add_generation_prompt: false}"],
-                                        "cannot set add_generation_prompt: the engine passes those itself"),
+                                        "cannot set add_generation_prompt: the engine sets those arguments"),
+    "template_argument_with_no_effect": (["chat_template_kwargs={max_length: 8, truncation: true}"],  # no effect
+                                         "cannot set max_length, truncation: the engine sets those arguments"),
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
                                        "config key 'chat_template_kwargs' must have string keys"),

@@ -63,7 +63,6 @@ def _logprobs(v):
 def _seed(v):
     return None if 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
 
-
 def _id_list(v):
     return None if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v) else "must be a list of non-negative integers"
 
@@ -76,13 +75,14 @@ def _template_kwargs(v):
     if not all(isinstance(k, str) for k in v):
         return "must have string keys (the template's variable names)"
     taken = sorted(set(v) & RESERVED_TEMPLATE_ARGS)
-    return f"cannot set {', '.join(taken)}: the engine passes those itself" if taken else None
+    return f"cannot set {', '.join(taken)}: the engine sets those arguments of apply_chat_template" if taken else None
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 30 * 86400
-# apply_chat_template's own arguments, which prompts.py sets: a template variable of the same name would clash
+# apply_chat_template's own arguments: set in prompts.py, or acting only when it tokenizes (it never does here)
 RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                          "continue_final_message"}
+                          "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
+                          "return_assistant_tokens_mask", "tokenizer_kwargs"}
 SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
