@@ -439,3 +439,15 @@ def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found
     ids = tok.encode("x a", add_special_tokens=False) + [extra] * 13 + tok.encode("b", add_special_tokens=False)
     hits, text = _stop_hits(tok, tmp_path, ids, ["ab"])
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
+
+
+def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_found():
+    """Qwen3's embedding has 151,936 rows for 151,669 tokens: the ids past the tokenizer's decode to nothing, and
+    the window counted them as text and missed the stop (a random-weight model samples them)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    past = [len(tok) + i for i in range(13)]
+    assert tok.decode(past, skip_special_tokens=True) == ""
+    ids = tok.encode("x a", add_special_tokens=False) + past + tok.encode("b", add_special_tokens=False)
+    hits, text = _stop_hits(tok, DEMO, ids, ["ab"])
+    assert hits == [False] * (len(ids) - 1) + [True] and text == "x "

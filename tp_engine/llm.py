@@ -179,13 +179,13 @@ class LLM:
 
     def _hit_stop(self, req: Request, stops: list[str]) -> bool:
         # A stop string that ends at the newest token lies within its last few tokens that have text (each is
-        # at least a byte; special tokens decode to nothing): look there first, so long outputs are not decoded
-        # in full at every step.
-        ids, start, need, special = req.output_ids, len(req.output_ids), 4 * max(map(len, stops)) + 4, \
-            self.prompts.special_ids
+        # at least a byte; special tokens, and ids past the tokenizer's that the model's padded vocabulary may
+        # give, decode to nothing): look there first, so long outputs are not decoded in full at every step.
+        ids, start, need = req.output_ids, len(req.output_ids), 4 * max(map(len, stops)) + 4
+        special, known = self.prompts.special_ids, self.prompts.num_tokens
         while start > 0 and need > 0:
             start -= 1
-            need -= ids[start] not in special
+            need -= ids[start] < known and ids[start] not in special
         if not any(s in (self.decode(ids[start:]) or "") for s in stops):
             return False
         text = self.decode(req.output_ids) or ""

@@ -116,6 +116,11 @@ class PromptEncoder:
         """The ids `decode` skips: they add no text."""
         return skipped_ids(self.tokenizer)
 
+    @functools.cached_property
+    def num_tokens(self) -> int:
+        """The tokenizer's ids are those below this; `decode` skips the rest."""
+        return len(self.tokenizer)
+
     def encode_all(self, prompts: list[Prompt]) -> list[list[int] | PromptError]:
         return [self.try_encode(p) for p in prompts]
 
