@@ -39,11 +39,11 @@ def test_python_api_under_torchrun(tmp_path):
 
 
 NO_SHUTDOWN = """
-import atexit, sys
+import atexit, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from tp_engine import LLM, SamplingParams
-atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))  # runs after LLM's own
+atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))  # after LLM's; one write
 llm = LLM(model={model!r}, device="cpu")
 llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
 """
@@ -234,7 +234,7 @@ import atexit, json, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from tp_engine import LLM, SamplingParams
-atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))  # runs after LLM's own
+atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))  # after LLM's; one write
 params = SamplingParams(max_new_tokens=6)
 first, second, dropped = (LLM(model={model!r}, device="cpu", timeout_s=30) for _ in range(3))
 del dropped  # never shut down: the exit handler counts it
@@ -257,6 +257,69 @@ def test_shutting_one_llm_down_leaves_the_others_usable(tmp_path):
     assert [o["output_token_ids"] for o in json.loads((tmp_path / "rank0").read_text())] == want
     assert proc.stdout.count("group at exit: False") == 2, proc.stdout
 
+
+
+OWN_TIMEOUT = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+params, rank, out = SamplingParams(max_new_tokens=6), int(os.environ["RANK"]), {out!r}
+patient = LLM(model={model!r}, device="cpu", timeout_s=300)
+hasty = LLM(model={model!r}, device="cpu", timeout_s=2)
+if rank == 0:
+    time.sleep(4)  # longer than hasty's timeout_s, well within patient's
+outs = patient.generate({prompts!r}, params)
+t0 = time.time()
+if rank == 0:  # until rank 1 has given up on hasty's first step (or for a minute)
+    while not os.path.exists(out + "1") and time.time() - t0 < 60:
+        time.sleep(0.1)
+try:
+    hasty.generate({prompts!r}, params)
+    error = None
+except RuntimeError as e:
+    error = str(e)
+with open(out + str(rank) + ".tmp", "w") as f:
+    json.dump({{"waited": time.time() - t0, "error": error, "outs": outs}}, f)
+os.rename(out + str(rank) + ".tmp", out + str(rank))
+os._exit(0)
+"""
+
+
+def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
+    """A second LLM in the same processes used the process group of the first, and with it the first one's
+    timeout_s: its followers waited 300 s instead of 2."""
+    model = make_checkpoint(tmp_path / "m")
+    out = str(tmp_path / "rank")
+    proc = run_script(tmp_path, OWN_TIMEOUT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
+    follower = json.loads((tmp_path / "rank1").read_text())
+    assert follower["error"] is not None and "timeout_s" in follower["error"], (follower, proc.stderr[-3000:])
+    assert follower["waited"] < 20, follower
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)  # patient waited out rank 0's 4 s
+    assert [o["output_token_ids"] for o in json.loads((tmp_path / "rank0").read_text())["outs"]] == want
+
+
+CHANNELS = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+params = SamplingParams(max_new_tokens=6)
+shm = LLM(model={model!r}, device="cpu", advanced={{"step_channel": "shm"}})
+gloo = LLM(model={model!r}, device="cpu", advanced={{"step_channel": "gloo"}})
+outs = [shm.generate({prompts!r}, params), gloo.generate({prompts!r}, params)]
+with open({out!r} + os.environ["RANK"], "w") as f:
+    json.dump(outs, f)
+"""
+
+
+def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp_path):
+    """The second LLM closed the shared-memory channel the first one still used (TypeError in its next step)."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, CHANNELS.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
+                                                out=str(tmp_path / "rank")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
+    outs = json.loads((tmp_path / "rank0").read_text())
+    assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 2
 
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
     from tp_engine.config import SCHEMA

@@ -55,6 +55,8 @@ def pick_device(choice: str) -> torch.device:
 
 
 _GROUPS_MADE = 0  # process groups this process has made (init_distributed)
+_WORLD_TIMEOUT_S = 0.0  # the timeout_s of the world group this process joined
+_CHANNELS: list[ShmChannel | None] = []  # step channels made since, closed when leaving the world
 
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto") -> TPGroup:
@@ -70,8 +72,8 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
     if world == 1:
         set_tp(TPGroup(0, 1, device))
         return _TP
+    global _GROUPS_MADE, _WORLD_TIMEOUT_S
     if not dist.is_initialized():
-        global _GROUPS_MADE
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
         # Each group its own keys in torchrun's store: one made again after shutdown() would otherwise read the
@@ -80,15 +82,19 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
         _GROUPS_MADE += 1
         dist.init_process_group(backend, store=dist.PrefixStore(f"tp_engine/{_GROUPS_MADE}", store), rank=rank,
                                 world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        _WORLD_TIMEOUT_S = timeout_s
     group = dist.group.WORLD
+    if timeout_s != _WORLD_TIMEOUT_S:  # a later engine of this process with its own timeout_s: its own groups
+        group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
     cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    channel = _TP.channel if _TP.size == world else None  # joined before (a tool, then the engine): keep it
-    if channel is not None and step_channel == "gloo":
-        channel.close()
-        channel = None
+    # joined before (a tool, then the engine) with the same timeout: keep its channel; an earlier engine that
+    # still uses it keeps it either way
+    channel = _TP.channel if _TP.size == world and step_channel != "gloo" else None
+    channel = channel if channel is not None and channel.timeout_s == timeout_s else None
     set_tp(TPGroup(rank, world, device, group, cpu_group, channel))
     if channel is None and (step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")):
         _TP.channel = ShmChannel.create(_TP, timeout_s)
+        _CHANNELS.append(_TP.channel)
         if _TP.channel is None and step_channel == "shm" and rank == 0:
             log.warning("advanced.step_channel is shm, but the ranks do not all share one x86 host (or the "
                         "shared memory could not be set up): step messages go through gloo")
@@ -111,8 +117,10 @@ def shutdown() -> None:
         return
     if dist.is_initialized():
         dist.barrier(group=_TP.cpu_group)  # no rank tears down while another still talks to it
-        if _TP.channel is not None:
-            _TP.channel.close()
+        while _CHANNELS:
+            channel = _CHANNELS.pop()
+            if channel is not None:
+                channel.close()
         dist.destroy_process_group()
     set_tp(TPGroup())
 
