@@ -266,8 +266,17 @@ from tp_engine import LLM, SamplingParams
 params, rank, out = SamplingParams(max_new_tokens=6), int(os.environ["RANK"]), {out!r}
 patient = LLM(model={model!r}, device="cpu", timeout_s=300)
 hasty = LLM(model={model!r}, device="cpu", timeout_s=2)
+# patient's ranks wait for each other longer than hasty's timeout_s: for the step message (rank 0 late), then
+# in the all-reduces of the first layer's attention and the norm after it (rank 1 late)
+attn = patient.engine.model.model.layers[0].self_attn
+late = [rank == 1]
+def slow(*args, forward=attn.forward):
+    if late and late.pop():
+        time.sleep(3)
+    return forward(*args)
+attn.forward = slow
 if rank == 0:
-    time.sleep(4)  # longer than hasty's timeout_s, well within patient's
+    time.sleep(3)
 outs = patient.generate({prompts!r}, params)
 t0 = time.time()
 if rank == 0:  # until rank 1 has given up on hasty's first step (or for a minute)
@@ -287,15 +296,41 @@ os._exit(0)
 
 def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
     """A second LLM in the same processes used the process group of the first, and with it the first one's
-    timeout_s: its followers waited 300 s instead of 2."""
+    timeout_s: its followers waited 300 s instead of 2. And the first must keep its own: its norms all-reduced
+    through the latest LLM's group."""
     model = make_checkpoint(tmp_path / "m")
     out = str(tmp_path / "rank")
     proc = run_script(tmp_path, OWN_TIMEOUT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
+    assert (tmp_path / "rank1").is_file(), proc.stderr[-3000:]  # not there: patient failed
     follower = json.loads((tmp_path / "rank1").read_text())
     assert follower["error"] is not None and "timeout_s" in follower["error"], (follower, proc.stderr[-3000:])
     assert follower["waited"] < 20, follower
-    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)  # patient waited out rank 0's 4 s
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)  # patient waited out both delays
     assert [o["output_token_ids"] for o in json.loads((tmp_path / "rank0").read_text())["outs"]] == want
+
+
+MISMATCH = """
+import os, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM
+rank = int(os.environ["RANK"])
+first = LLM(model={model!r}, device="cpu", timeout_s=20)
+try:
+    LLM(model={model!r}, device="cpu", timeout_s=20 if rank == 0 else 10)
+except Exception as e:
+    os.write(1, f"rank {{rank}}: {{type(e).__name__}}: {{e}}\\n".encode())
+os._exit(0)
+"""
+
+
+def test_a_later_llm_started_differently_on_each_rank_says_so(tmp_path):
+    """Only the rank whose timeout_s differed from the first LLM's made new groups: the other never joined,
+    and after 10 s the ranks failed with a store timeout instead of the start-up check's message."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, MISMATCH.format(root=str(ROOT), model=str(model)))
+    for rank in (0, 1):
+        assert f"rank {rank}: StartupError: ranks were started with different configurations" in proc.stdout, \
+            proc.stdout + proc.stderr[-3000:]
 
 
 CHANNELS = """

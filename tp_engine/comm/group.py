@@ -83,16 +83,20 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
         dist.init_process_group(backend, store=dist.PrefixStore(f"tp_engine/{_GROUPS_MADE}", store), rank=rank,
                                 world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
         _WORLD_TIMEOUT_S = timeout_s
-    group = dist.group.WORLD
-    if timeout_s != _WORLD_TIMEOUT_S:  # a later engine of this process with its own timeout_s: its own groups
-        group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
+    wants = step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")
+    keep = _TP.channel if _TP.size == world and wants else None  # joined before (a tool, then the engine)
+    # Decided alike on every rank, so the collectives below stay in step even when the ranks were given different
+    # settings (check_startup then says so): a later engine with another timeout_s gets groups of its own, and
+    # the step channel is kept only with this engine's timeout_s (an earlier engine keeps it either way).
+    votes = torch.tensor([timeout_s != _WORLD_TIMEOUT_S, keep is None or keep.timeout_s != timeout_s, not wants],
+                         dtype=torch.int32, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    new_groups, new_channel, no_channel = votes.tolist()
+    group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if new_groups \
+        else dist.group.WORLD
     cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    # joined before (a tool, then the engine) with the same timeout: keep its channel; an earlier engine that
-    # still uses it keeps it either way
-    channel = _TP.channel if _TP.size == world and step_channel != "gloo" else None
-    channel = channel if channel is not None and channel.timeout_s == timeout_s else None
-    set_tp(TPGroup(rank, world, device, group, cpu_group, channel))
-    if channel is None and (step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")):
+    set_tp(TPGroup(rank, world, device, group, cpu_group, None if new_channel or no_channel else keep))
+    if _TP.channel is None and not no_channel:
         _TP.channel = ShmChannel.create(_TP, timeout_s)
         _CHANNELS.append(_TP.channel)
         if _TP.channel is None and step_channel == "shm" and rank == 0:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_engine.comm import all_reduce, all_reduce_add_rmsnorm
+from tp_engine.comm import all_reduce, all_reduce_add_rmsnorm, get_tp
 from tp_engine.kernels import fused_ops
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp = eps, get_tp()  # the group of the engine building it (a process may hold several)
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,10 +27,10 @@ class RMSNorm(nn.Module):
         reduce: `x` is this rank's partial sum from a RowParallelLinear(reduce=False), all-reduced here
         first; on the GPU the all-reduce, the add and the norm are then one kernel where they can be."""
         if reduce:
-            fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps) if residual is not None else None
+            fused = None if residual is None else all_reduce_add_rmsnorm(x, residual, self.weight, self.eps, self.tp)
             if fused is not None:
                 return fused
-            x = all_reduce(x)
+            x = all_reduce(x, self.tp)
         ops = fused_ops(x.device)
         if ops is not None and x.dtype == self.weight.dtype:
             return ops.add_rmsnorm(x, residual, self.weight, self.eps)  # the same arithmetic in one kernel
