@@ -249,9 +249,9 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "endless_timeout": (["timeout_s=99999999999"], "config key 'timeout_s' must be between 1 and 2592000"),
     "infinite_temperature": (["sampling.temperature=.inf"], "config key 'sampling.temperature' must be a finite"),
     "template_argument_of_the_engine": (["chat_template_kwargs={add_generation_prompt: false}"],
-                                        "cannot set add_generation_prompt: the engine sets those arguments"),
+                                        "cannot set add_generation_prompt: apply_chat_template's own arguments"),
     "template_argument_with_no_effect": (["chat_template_kwargs={max_length: 8, truncation: true}"],  # no effect
-                                         "cannot set max_length, truncation: the engine sets those arguments"),
+                                         "cannot set max_length, truncation: apply_chat_template's own arguments"),
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
                                        "config key 'chat_template_kwargs' must have string keys"),
@@ -451,3 +451,24 @@ def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_fou
     ids = tok.encode("x a", add_special_tokens=False) + past + tok.encode("b", add_special_tokens=False)
     hits, text = _stop_hits(tok, DEMO, ids, ["ab"])
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
+    """Stop strings are found in the decoded text: a checkpoint without tokenizer files used to end the run
+    with a TypeError from inside the generation loop (the LLM) after the weights loaded."""
+    from helpers import make_checkpoint
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+    model = make_checkpoint(tmp_path / "m")
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "from": "an earlier run"}\n')
+    proc, _ = run_cli({"model": str(model), "output": str(out), "prompts": [{"input_ids": [5, 6]}],
+                       "sampling": {"stop": ["ab"]}}, tmp_path, read_output=False)
+    err = proc.stderr
+    assert proc.returncode != 0 and "sampling.stop needs the checkpoint's tokenizer" in err, err[-3000:]
+    assert "no tokenizer files" in err and "TypeError" not in err, err[-3000:]
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+    llm = LLM(model=str(model), device="cpu")
+    with pytest.raises(ValueError, match="sampling.stop_token_ids instead"):
+        llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3, stop=["ab"]))
+    assert len(llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]["output_token_ids"]) == 3

@@ -109,11 +109,12 @@ class Preflight:
 
     def __call__(self, device: torch.device) -> None:
         cfg, target, shown = self.cfg, None, self.cfg["output"]
+        encoder = PromptEncoder.from_config(cfg)
+        encoder.check_stop_strings(cfg["sampling"]["stop"])
         if shown:
             target = check_target(shown, {"config file": self.config_path, "prompts_file": cfg["prompts_file"]},
                                   cfg["model"])
             self.lock = OutputLock(target, shown)
-        encoder = PromptEncoder.from_config(cfg)
         self.encoded = encoder.encode_all(self.prompts)
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)

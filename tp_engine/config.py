@@ -75,7 +75,7 @@ def _template_kwargs(v):
     if not all(isinstance(k, str) for k in v):
         return "must have string keys (the template's variable names)"
     taken = sorted(set(v) & RESERVED_TEMPLATE_ARGS)
-    return f"cannot set {', '.join(taken)}: the engine sets those arguments of apply_chat_template" if taken else None
+    return f"cannot set {', '.join(taken)}: apply_chat_template's own arguments, not template variables" if taken else None
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 30 * 86400

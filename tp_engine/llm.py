@@ -135,6 +135,7 @@ class LLM:
         try:  # the other ranks already wait for the first step: a failure here must release them
             if encoded is not None and len(encoded) != len(prompts):
                 raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
+            self.prompts.check_stop_strings(params.stop)
             requests = []
             for i, prompt in enumerate(prompts):
                 samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]

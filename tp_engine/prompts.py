@@ -111,6 +111,13 @@ class PromptEncoder:
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def check_stop_strings(self, stop: list[str]) -> None:
+        """Stop strings are looked for in the decoded text: without a tokenizer there is none."""
+        if stop and self.tokenizer is None:
+            raise ValueError(f"sampling.stop needs the checkpoint's tokenizer to read the output as text, and "
+                             f"{self.model_dir} has none ({load_tokenizer(self.model_dir)[1]}); end requests with "
+                             "sampling.stop_token_ids instead")
+
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids `decode` skips: they add no text."""
