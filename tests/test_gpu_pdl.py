@@ -1,13 +1,17 @@
 """Programmatic dependent launch (kernels/__init__.py, `pdl`): each Triton kernel of the decode path that may
 start before the kernel ahead of it has finished still reads that kernel's output, never what was there before.
 
-A producer kernel lets the next kernel start at once and writes that kernel's input only 200 us later; each
+A producer kernel lets the next kernel start at once and writes that kernel's input only 20 ms later; each
 kernel's result must equal its result on the same input written beforehand. The GEMV launched early without
-its wait reads the old input, so the check can fail.
+its wait reads the old input, so the check can fail. The delay is long so that the next kernel is queued
+before the input is written even when the host is slow to launch it: with 200 us, that control check once
+passed late in a full GPU run.
 
 Marker `gpu`; skipped without CUDA, and on GPUs older than sm_90 (no programmatic dependent launch there).
 """
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -34,7 +38,7 @@ if HAS_CUDA:
         tl.extra.cuda.gdc_wait()  # a copy launched early after another one finishes after it
 
 
-def late_copy(dst: torch.Tensor, src: torch.Tensor, delay_us: int = 200) -> None:
+def late_copy(dst: torch.Tensor, src: torch.Tensor, delay_us: int = 20_000) -> None:
     """dst <- src (contiguous, same shape), written `delay_us` after the copy starts; the kernel launched after
     it on the stream may start at once."""
     d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).contiguous().view(torch.uint8)
@@ -50,9 +54,13 @@ def reads_late_input(kernel_call, inputs: list[torch.Tensor]) -> None:
     for x in inputs:
         x.zero_()
     torch.cuda.synchronize()
-    for x, v in zip(inputs, new):
-        late_copy(x, v)
-    got = kernel_call()
+    gc.disable()  # no collection between the launches
+    try:
+        for x, v in zip(inputs, new):
+            late_copy(x, v)
+        got = kernel_call()
+    finally:
+        gc.enable()
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert torch.equal(g, w), "a kernel read its input before the kernel writing it had finished"
