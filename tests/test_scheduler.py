@@ -184,3 +184,34 @@ def test_graph_token_buckets_pad_a_step_by_at_most_an_eighth():
     assert b[:3] == [64, 128, 192] and b[-1] == 4096 and b == sorted(set(b))
     assert all((hi - lo) / lo <= 1 / 8 for lo, hi in zip(b, b[1:]) if lo >= 512)
     assert token_buckets(100) == [64, 100] and token_buckets(64) == [64]
+
+
+def test_a_long_request_computes_each_page_key_once_in_all(monkeypatch):
+    """Registering a request's pages for the prefix cache started from its first page every time (each prompt
+    chunk, each page a decode row fills): O(pages) per call, O(pages**2) for a long request."""
+    from tp_engine import scheduler
+    walked = [0]
+    real = scheduler.chain_keys
+
+    def counting(*args, **kw):
+        for key in real(*args, **kw):
+            walked[0] += 1
+            yield key
+    monkeypatch.setattr(scheduler, "chain_keys", counting)
+    sched = Scheduler(PagePool(600, 4), 4, 8, 600 * 4, (EOS,))  # a 400-token prompt in 50 chunks
+    req = Request(0, list(range(1, 401)), SamplingParams(max_new_tokens=800, ignore_eos=True))
+    sched.add(req)
+    while sched.has_work():
+        plan = sched.schedule()
+        sched.issue(plan)
+        sched.update(plan, [3] * len(plan.reqs))
+    pages = len(req.prompt_ids + req.output_ids) // 4
+    assert len(req.output_ids) == 800 and walked[0] <= 2 * pages, (walked[0], pages)
+
+
+def test_requests_are_equal_only_to_themselves():
+    """Finding a finished request among the running ones compared every field of each (a dataclass's __eq__):
+    O(batch) tuple builds per request, which dominated steps at batch 4096."""
+    p = SamplingParams()
+    a, b = Request(0, [1, 2], p), Request(0, [1, 2], p)
+    assert a == a and a != b and [b].count(a) == 0

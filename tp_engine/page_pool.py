@@ -29,11 +29,12 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def chain_keys(chain: list[bytes], tokens: Callable[[int, int], Sequence[int]], page_size: int,
-               pages: int) -> Iterator[bytes]:
-    """The keys of a token sequence's first `pages` full pages, computed as they are asked for and kept in
-    `chain`; tokens(start, n) gives the sequence's tokens. A request keeps its chain (its tokens only ever
-    grow), so no key is computed twice, however often the request waits for pages and looks again."""
-    for i in range(pages):
+               pages: int, start: int = 0) -> Iterator[bytes]:
+    """The keys of a token sequence's full pages `start` (at most len(chain)) to `pages`, computed as they are
+    asked for and kept in `chain`; tokens(start, n) gives the sequence's tokens. A request keeps its chain (its
+    tokens only ever grow), so no key is computed twice, however often the request waits for pages and looks
+    again."""
+    for i in range(start, pages):
         if i == len(chain):
             chain.append(page_key(chain[-1] if chain else ROOT_KEY, tokens(i * page_size, page_size)))
         yield chain[i]

@@ -40,7 +40,7 @@ def ref_token(row: int) -> int:
     return -1 - row
 
 
-@dataclass
+@dataclass(eq=False)  # equal only to itself: finding one among thousands must not compare their fields
 class Request:
     index: int
     prompt_ids: list[int]
@@ -193,11 +193,12 @@ class Scheduler:
     def _register(self, r: Request, upto: int) -> None:
         """Make `r`'s full pages before token `upto` findable by content: their K/V is in the cache or will be
         once the issued steps ran, and their tokens are known on the host."""
-        if self.pool.enabled:
-            for i, key in enumerate(chain_keys(r.chain, r.tokens, self.page_size, upto // self.page_size)):
-                if i >= len(r.keys):
-                    self.pool.register(r.pages[i], key)
-                    r.keys.append(key)
+        if self.pool.enabled:  # from the first page not yet registered: a long request registers many times
+            first = len(r.keys)
+            for i, key in enumerate(chain_keys(r.chain, r.tokens, self.page_size, upto // self.page_size, first),
+                                    first):
+                self.pool.register(r.pages[i], key)
+                r.keys.append(key)
 
     def _add_row(self, plan: Plan, r: Request, n: int) -> None:
         plan.reqs.append(r)
