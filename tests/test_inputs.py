@@ -396,17 +396,17 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
 
 
 def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:
-    """LLM._hit_stop after each token of `ids`, and the request's text once it hit."""
+    """StopStrings.hit after each token of `ids`, as the LLM sets it up, and the request's text once it hit."""
     from types import SimpleNamespace
-    from tp_engine.llm import LLM
     from tp_engine.prompts import PromptEncoder
-    llm = SimpleNamespace(decode=lambda t: tok.decode(t, skip_special_tokens=True),
-                          prompts=PromptEncoder(str(model_dir)))
+    from tp_engine.stop_strings import StopStrings
+    enc = PromptEncoder(str(model_dir))
+    stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens)
     req = SimpleNamespace(output_ids=[], text=None)
     hits = []
     for t in ids:
         req.output_ids.append(t)
-        hits.append(LLM._hit_stop(llm, req, stop))
+        hits.append(stops.hit(req))
     return hits, req.text
 
 
@@ -472,3 +472,27 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="sampling.stop_token_ids instead"):
         llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3, stop=["ab"]))
     assert len(llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]["output_token_ids"]) == 3
+
+
+def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens():
+    """The look-back window walked back to the first output token when the output ended in special tokens
+    (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per request."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from tp_engine.prompts import PromptEncoder
+    from tp_engine.stop_strings import StopStrings
+    tok, enc = AutoTokenizer.from_pretrained(str(DEMO)), PromptEncoder(str(DEMO))
+    lengths = []
+
+    def decode(ids):
+        lengths.append(len(ids))
+        return enc.decode(ids)
+    stops = StopStrings(["ab"], decode, enc.special_ids, enc.num_tokens)
+    req = SimpleNamespace(output_ids=tok.encode("x a", add_special_tokens=False), text=None)
+    special = tok.all_special_ids[0]
+    for _ in range(2000):
+        req.output_ids.append(special)
+        assert not stops.hit(req)
+    assert max(lengths) <= stops.need
+    req.output_ids += tok.encode("b", add_special_tokens=False)  # found across the 2000 special tokens too
+    assert stops.hit(req) and req.text == "x "

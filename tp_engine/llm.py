@@ -21,6 +21,7 @@ from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
 from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
+from tp_engine.stop_strings import StopStrings
 
 log = logging.getLogger("tp_engine")
 
@@ -153,12 +154,13 @@ class LLM:
         except BaseException:
             self.engine.release_followers()
             raise
-        stops = params.stop
+        enc = self.prompts
+        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens) if params.stop else None
 
         def check_token(req: Request) -> bool:
             if on_token is not None:
                 on_token(req)
-            return bool(stops) and self._hit_stop(req, stops)
+            return stops is not None and stops.hit(req)
 
         self.engine.run(requests, check_token if (stops or on_token) else None, finish)
         return [outputs[i] for i in sorted(outputs)]
@@ -177,24 +179,6 @@ class LLM:
                     f"(max_model_len {self.engine.max_model_len}, "
                     f"KV pool {self.engine.kv.num_pages * self.engine.kv.page_size} tokens)")
         return None
-
-    def _hit_stop(self, req: Request, stops: list[str]) -> bool:
-        # A stop string that ends at the newest token lies within its last few tokens that have text (each is
-        # at least a byte; special tokens, and ids past the tokenizer's that the model's padded vocabulary may
-        # give, decode to nothing): look there first, so long outputs are not decoded in full at every step.
-        ids, start, need = req.output_ids, len(req.output_ids), 4 * max(map(len, stops)) + 4
-        special, known = self.prompts.special_ids, self.prompts.num_tokens
-        while start > 0 and need > 0:
-            start -= 1
-            need -= ids[start] < known and ids[start] not in special
-        if not any(s in (self.decode(ids[start:]) or "") for s in stops):
-            return False
-        text = self.decode(req.output_ids) or ""
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            req.text = text[:cut]
-            return True
-        return False
 
     def output(self, req: Request, chat: bool = False) -> dict:
         """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
