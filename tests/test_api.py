@@ -309,6 +309,29 @@ def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
     assert [o["output_token_ids"] for o in json.loads((tmp_path / "rank0").read_text())["outs"]] == want
 
 
+LAST_SHUTDOWN = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+patient = LLM(model={model!r}, device="cpu", timeout_s=300)
+hasty = LLM(model={model!r}, device="cpu", timeout_s=2)
+hasty.shutdown()
+patient.generate({prompts!r}, SamplingParams(max_new_tokens=3))
+if os.environ["RANK"] == "0":
+    time.sleep(4)  # rank 1 waits in patient's shutdown
+patient.shutdown()
+os.write(1, b"shut down\\n")
+"""
+
+
+def test_the_last_shutdown_waits_with_its_own_llms_timeout(tmp_path):
+    """The barrier of the last shutdown() took the group of the LLM made last (hasty, 2 s) although that one
+    was shut down first: rank 1 timed out after 2 s while rank 0 was still busy."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, LAST_SHUTDOWN.format(root=str(ROOT), model=str(model), prompts=PROMPTS))
+    assert proc.returncode == 0 and proc.stdout.count("shut down") == 2, proc.stdout + proc.stderr[-3000:]
+
+
 MISMATCH = """
 import os, sys
 sys.path.insert(0, {root!r})

@@ -29,15 +29,15 @@ log = logging.getLogger("tp_engine")
 _OPEN = [0]  # LLMs made in this process and not shut down: they all use its one process group
 
 
-def _leave_group() -> None:
-    """One LLM fewer; the last one leaves the process group (an earlier one would pull it from the others).
-    An LLM dropped without shutdown() counts until the process exits."""
+def _leave_group(tp: tpd.TPGroup) -> None:
+    """One LLM fewer; the last one (of group `tp`) leaves the process group (an earlier one would pull it from
+    the others). An LLM dropped without shutdown() counts until the process exits."""
     _OPEN[0] -= 1
     if _OPEN[0] == 0:
-        tpd.shutdown()  # not when an engine broke inside a step: the ranks would never meet (comm.shutdown)
+        tpd.shutdown(tp)  # not when an engine broke inside a step: the ranks would never meet (comm.shutdown)
 
 
-def _shutdown_at_exit(ref) -> None:
+def _shutdown_at_exit(ref, tp: tpd.TPGroup) -> None:
     """A script that ends without shutdown() could abort in gloo's teardown after its results were out. Not
     after an uncaught exception: the other ranks may never reach shutdown's barrier."""
     if getattr(sys, "last_value", None) is not None:
@@ -46,7 +46,7 @@ def _shutdown_at_exit(ref) -> None:
     if llm is not None:
         llm.shutdown()
     else:  # dropped without shutdown(): it still counted as one of the group's users
-        _leave_group()
+        _leave_group(tp)
 
 
 def sampling_params_from(cfg: dict) -> SamplingParams:
@@ -66,7 +66,7 @@ class LLM:
         exit_with_launcher()
         self.engine = Engine(self.cfg, preflight)
         _OPEN[0] += 1
-        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))  # unregistered by shutdown()
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)  # see shutdown()
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
@@ -207,7 +207,7 @@ class LLM:
         of a script."""
         if self.engine is not None:
             atexit.unregister(self._at_exit)
-            _leave_group()
+            _leave_group(self.engine.tp)
         # Layers hold the group too; free them now rather than during interpreter teardown, where gloo's
         # threads can abort the process.
         self.engine = self.tp = None

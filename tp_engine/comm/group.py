@@ -114,13 +114,13 @@ def mark_out_of_step(why: str) -> str:
     return why
 
 
-def shutdown() -> None:
-    """Leave the process group, after a barrier; not once the ranks may be out of step (they would never
-    meet there), whichever engine of the process broke."""
+def shutdown(tp: TPGroup | None = None) -> None:
+    """Leave the process group, after a barrier over `tp` (by default the latest engine's group), with its
+    timeout; not once the ranks may be out of step (they would never meet there), whichever engine broke."""
     if _OUT_OF_STEP:
         return
     if dist.is_initialized():
-        dist.barrier(group=_TP.cpu_group)  # no rank tears down while another still talks to it
+        dist.barrier(group=(tp or _TP).cpu_group)  # no rank tears down while another still talks to it
         while _CHANNELS:
             channel = _CHANNELS.pop()
             if channel is not None:
