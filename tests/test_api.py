@@ -219,14 +219,19 @@ with open({out!r} + str(os.environ["RANK"]), "w") as f:
 def test_an_llm_after_shutdown_in_the_same_processes(tmp_path):
     """Each process group gets its own keys in torchrun's store: the group made after shutdown() used to read
     the last one's, and gloo connected to a closed socket (exit with 'Connection refused', or a hang)."""
-    model = make_checkpoint(tmp_path / "m")
-    proc = run_script(tmp_path, AGAIN.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
-                                             out=str(tmp_path / "rank")))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
-    outs = json.loads((tmp_path / "rank0").read_text())
+    want, outs = hf_and_rank0_runs(tmp_path, AGAIN)
     assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 3
     assert json.loads((tmp_path / "rank1").read_text()) == [None] * 3
+
+
+def hf_and_rank0_runs(tmp_path, script: str) -> tuple[list, list]:
+    """Run a two-rank `script` (formatted with root, model, prompts, out) that writes each rank's outputs of
+    its generate calls to out + rank: (transformers' tokens for PROMPTS, rank 0's outputs)."""
+    model = make_checkpoint(tmp_path / "m")
+    proc = run_script(tmp_path, script.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
+                                              out=str(tmp_path / "rank")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return hf_generate(model, [p["input_ids"] for p in PROMPTS], 6), json.loads((tmp_path / "rank0").read_text())
 
 
 TWO_LLMS = """
@@ -371,13 +376,9 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 
 def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp_path):
     """The second LLM closed the shared-memory channel the first one still used (TypeError in its next step)."""
-    model = make_checkpoint(tmp_path / "m")
-    proc = run_script(tmp_path, CHANNELS.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
-                                                out=str(tmp_path / "rank")))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
-    outs = json.loads((tmp_path / "rank0").read_text())
+    want, outs = hf_and_rank0_runs(tmp_path, CHANNELS)
     assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 2
+
 
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
     from tp_engine.config import SCHEMA
