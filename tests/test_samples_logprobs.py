@@ -152,6 +152,24 @@ def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
     assert greedy[0]["run"] != defaulted[0]["run"]
 
 
+def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path, caplog):
+    """A repetition_penalty (Qwen2.5's files set 1.05) changes transformers' tokens, greedy ones too; the engine
+    does not apply it and said nothing."""
+    cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, min_p 0.05"),
+             ({"do_sample": False, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, "
+              "which"),  # min_p acts only when sampling
+             ({**QWEN3, "repetition_penalty": 1, "min_p": None, "typical_p": 1.0}, None)]
+    for i, (content, said) in enumerate(cases):
+        model = with_generation_config(ckpt, tmp_path / str(i), content)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tp_engine"):
+            build_config(model=model)
+        if said is None:
+            assert "does not apply" not in caplog.text, caplog.text
+        else:
+            assert said in caplog.text and "which this engine does not apply" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("content,message", [
     ({"do_sample": "yes"}, "field 'do_sample' must be true or false"),
     ({"do_sample": True, "top_k": 2.5}, "field 'top_k' must be an integer >= 0, got 2.5"),

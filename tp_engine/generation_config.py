@@ -9,6 +9,7 @@ top_p 1.0), which is what transformers would sample with.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,13 @@ from typing import Any
 from tp_engine.textio import read_json_object
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Fields transformers' generate applies that this engine does not, with the value that leaves the logits alone
+# (null too): a file with another value gets a warning, since the tokens differ. The first two act in greedy
+# decoding too, the others only when sampling.
+UNAPPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_p": 0.0, "typical_p": 1.0,
+             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+GREEDY_TOO = ("repetition_penalty", "no_repeat_ngram_size")
+log = logging.getLogger("tp_engine")
 
 
 class GenerationConfigError(ValueError):
@@ -43,6 +51,11 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
     do_sample = raw.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got {json.dumps(do_sample)}")
+    unapplied = [f"{k} {json.dumps(raw[k])}" for k, neutral in UNAPPLIED.items()
+                 if raw.get(k) not in (neutral, None) and (do_sample or k in GREEDY_TOO)]
+    if unapplied:
+        log.warning("%s sets %s, which this engine does not apply: its tokens differ from transformers' generate "
+                    "with that file", path, ", ".join(unapplied))
     if not do_sample:
         return {}
     out = {}
