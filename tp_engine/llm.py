@@ -26,7 +26,7 @@ from tp_engine.stop_strings import StopStrings
 log = logging.getLogger("tp_engine")
 
 
-_OPEN = [0]  # LLMs made in this process and not shut down: they all use its one process group
+_OPEN = [0]  # LLMs made in this process and not shut down: the last one to go leaves the process group
 
 
 def _leave_group(tp: tpd.TPGroup) -> None:

@@ -56,7 +56,7 @@ def pick_device(choice: str) -> torch.device:
 
 _GROUPS_MADE = 0  # process groups this process has made (init_distributed)
 _WORLD_TIMEOUT_S = 0.0  # the timeout_s of the world group this process joined
-_CHANNELS: list[ShmChannel | None] = []  # step channels made since, closed when leaving the world
+_CHANNELS: list[ShmChannel] = []  # step channels made since, closed when leaving the world
 
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto") -> TPGroup:
@@ -98,8 +98,9 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
     set_tp(TPGroup(rank, world, device, group, cpu_group, None if new_channel or no_channel else keep))
     if _TP.channel is None and not no_channel:
         _TP.channel = ShmChannel.create(_TP, timeout_s)
-        _CHANNELS.append(_TP.channel)
-        if _TP.channel is None and step_channel == "shm" and rank == 0:
+        if _TP.channel is not None:
+            _CHANNELS.append(_TP.channel)
+        elif step_channel == "shm" and rank == 0:
             log.warning("advanced.step_channel is shm, but the ranks do not all share one x86 host (or the "
                         "shared memory could not be set up): step messages go through gloo")
     return _TP
@@ -121,10 +122,9 @@ def shutdown(tp: TPGroup | None = None) -> None:
         return
     if dist.is_initialized():
         dist.barrier(group=(tp or _TP).cpu_group)  # no rank tears down while another still talks to it
-        while _CHANNELS:
-            channel = _CHANNELS.pop()
-            if channel is not None:
-                channel.close()
+        for channel in _CHANNELS:
+            channel.close()
+        _CHANNELS.clear()
         dist.destroy_process_group()
     set_tp(TPGroup())
 
