@@ -214,6 +214,25 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
         llm.generate("Alice")
 
 
+def test_stop_strings_keep_nothing_of_a_finished_request():
+    """The window of each request was kept by its id until the end of generate: memory for every request of the
+    job, and, once finished requests are freed, a new request with a finished one's id took its window over."""
+    import gc
+    from transformers import AutoTokenizer
+    from tp_engine.prompts import PromptEncoder
+    from tp_engine.stop_strings import StopStrings
+    tok, enc = AutoTokenizer.from_pretrained(str(DEMO)), PromptEncoder(str(DEMO))
+    stops = StopStrings([","], enc.decode, enc.special_ids, enc.num_tokens)
+    for _ in range(100):
+        req = _request(tok.encode(" a long way down the rabbit hole", add_special_tokens=False))
+        assert not stops.hit(req)
+        del req
+    gc.collect()
+    assert len(stops.tails) == 0
+    req = _request(tok.encode(",", add_special_tokens=False))
+    assert stops.hit(req) and req.text == ""
+
+
 # ---- mistakes in the config's structure, and values no run can use ----
 
 def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
@@ -395,14 +414,19 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
                for line in lines)
 
 
+def _request(output_ids: list[int]):
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.scheduler import Request
+    return Request(0, [1], SamplingParams(), output_ids=output_ids)
+
+
 def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:
     """StopStrings.hit after each token of `ids`, as the LLM sets it up, and the request's text once it hit."""
-    from types import SimpleNamespace
     from tp_engine.prompts import PromptEncoder
     from tp_engine.stop_strings import StopStrings
     enc = PromptEncoder(str(model_dir))
     stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens)
-    req = SimpleNamespace(output_ids=[], text=None)
+    req = _request([])
     hits = []
     for t in ids:
         req.output_ids.append(t)
@@ -477,7 +501,6 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
 def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens():
     """The look-back window walked back to the first output token when the output ended in special tokens
     (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per request."""
-    from types import SimpleNamespace
     from transformers import AutoTokenizer
     from tp_engine.prompts import PromptEncoder
     from tp_engine.stop_strings import StopStrings
@@ -488,7 +511,7 @@ def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens
         lengths.append(len(ids))
         return enc.decode(ids)
     stops = StopStrings(["ab"], decode, enc.special_ids, enc.num_tokens)
-    req = SimpleNamespace(output_ids=tok.encode("x a", add_special_tokens=False), text=None)
+    req = _request(tok.encode("x a", add_special_tokens=False))
     special = tok.all_special_ids[0]
     for _ in range(2000):
         req.output_ids.append(special)

@@ -224,6 +224,70 @@ def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
     assert "stopped by SIGINT after the results were printed" in log.read_text()
 
 
+PRINTER = r"""
+import signal
+from tp_engine.results import ResultSink
+
+signal.signal(signal.SIGALRM, lambda *_: None)  # a handler that returns, as Ctrl-C's does while results print
+signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+sink = ResultSink(None, None, {"model": "m"})
+for i in range(40):
+    sink.add({"index": i, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [100000 + i] * 4000, "text": "",
+              "finish_reason": "length", "cached_prompt_tokens": 0})
+sink.close()
+signal.setitimer(signal.ITIMER_REAL, 0)
+"""
+
+
+def test_results_printed_to_a_pipe_stay_whole_when_signals_interrupt_the_writes():
+    """With PYTHONUNBUFFERED=1 (common in job scripts), a write to a full pipe that a signal cut short lost the
+    rest of its line: the Ctrl-C test above failed on a busy machine with a line cut in two."""
+    proc = subprocess.Popen([sys.executable, "-c", PRINTER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    chunks = []
+    while chunk := os.read(proc.stdout.fileno(), 8192):  # a slow reader: the pipe stays full
+        chunks.append(chunk)
+        time.sleep(0.0005)
+    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
+    lines = b"".join(chunks).decode().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == list(range(40))
+
+
+def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monkeypatch):
+    """Each finished output stayed in memory to the end of the job (the output list, the result sink, the
+    requests), about 45 bytes a token: a million prompts of 2k tokens would not fit in rank 0's memory."""
+    import tracemalloc
+
+    from tp_engine import results
+    from tp_engine.cli import main
+    from tp_engine.llm import LLM
+
+    held = {}
+    generate, close = LLM.generate, results.ResultSink.close
+    monkeypatch.setattr(LLM, "generate", lambda *a, **k: held.__setitem__("start", tracemalloc.get_traced_memory()[0])
+                        or generate(*a, **k))
+    monkeypatch.setattr(results.ResultSink, "close", lambda self: held.__setitem__(
+        "end", tracemalloc.get_traced_memory()[0]) or close(self))
+
+    def job(max_new_tokens: int) -> int:
+        """Bytes that the job's Python objects hold once every result is written."""
+        cfg = long_cfg(ckpt, tmp_path / f"out{max_new_tokens}.jsonl", n=64, max_new_tokens=max_new_tokens)
+        conf = tmp_path / "run.yaml"
+        conf.write_text(yaml.safe_dump({**cfg, "max_batch_size": 64, "prefix_cache": False, "progress": False}))
+        assert main(["--config", str(conf), "--quiet"]) == 0
+        return held["end"] - held["start"]
+
+    tracemalloc.start()
+    try:
+        job(4)  # imports and caches
+        short, long = job(4), job(132)
+    finally:
+        tracemalloc.stop()
+    assert (long - short) / (64 * 128) < 8, f"{short:,} bytes held for 64 x 4 tokens, {long:,} for 64 x 132"
+    lines = [json.loads(line) for line in (tmp_path / "out132.jsonl").read_text().splitlines()]
+    assert [(o["index"], len(o["output_token_ids"])) for o in lines] == [(i, 132) for i in range(64)]
+
+
 # ---- resume ----
 
 @pytest.fixture(scope="module")
@@ -303,7 +367,9 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps(line) + "\n" + json.dumps(cut))  # no final newline
     done, retry = read_for_resume(out, "out.jsonl", [[1, 2], [1, 2]], settings)
-    assert list(done) == [(0, 0)] and retry == [cut]
+    assert list(done) == [(0, 0)] and [k for k, _ in retry] == [(1, 0)]
+    (start, length), = [span for _, span in retry]
+    assert json.loads(out.read_bytes()[start:start + length]) == cut
     out.write_text(json.dumps({"loss": 0.5}))  # another tool's file, one line, no final newline
     with pytest.raises(ConfigError, match="line 1 is not a result line"):
         read_for_resume(out, "out.jsonl", [[1, 2]], settings)

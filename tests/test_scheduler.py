@@ -17,17 +17,28 @@ def next_token(token: int, position: int) -> int:
     return (token * 31 + position * 7 + 5) % V
 
 
-def drive(lagged: bool, num_pages: int, max_batch: int = 8) -> tuple[list[Request], int]:
+def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -> tuple[list[Request], int]:
     sched = Scheduler(PagePool(num_pages, 4), max_batch, 64, num_pages * 4, (EOS,))
     tables = PageTables()
     prompts = [[1, 2, 3], [4] * 9, [9, 8], [11, 12, 13, 14, 15, 16], [20]]
     reqs = [Request(i, p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=i % 2 == 0))
             for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add(r)
+    made = []
+
+    def source():
+        for r in reqs:
+            made.append(r)
+            yield r
+    if fed:
+        sched.feed(source())
+    else:
+        for r in reqs:
+            sched.add(r)
     device_tokens = [0] * max_batch  # what Engine.last_tokens holds: the tokens of the latest step
     inflight = None
     while sched.has_work():
+        if fed:  # made, not finished: those running, and at most a batch of waiting ones
+            assert len([r for r in made if r.finish_reason is None]) <= 2 * max_batch
         plan = sched.schedule()
         issued = None
         if plan.reqs:
@@ -63,6 +74,15 @@ def test_overlapped_steps_equal_one_at_a_time(num_pages):
     for r in got:
         if r.finish_reason == "length":
             assert len(r.output_ids) == r.params.max_new_tokens
+
+
+@pytest.mark.parametrize("num_pages", [64, 7])
+def test_requests_fed_as_room_comes_run_as_if_all_were_added(num_pages):
+    """The engine feeds requests from a generator, so that a job of any length holds only a batch of them
+    ahead: they must run exactly as when all are added at the start."""
+    ref, _ = drive(True, num_pages, max_batch=2)
+    got, _ = drive(True, num_pages, max_batch=2, fed=True)
+    assert [(r.output_ids, r.finish_reason) for r in got] == [(r.output_ids, r.finish_reason) for r in ref]
 
 
 def test_length_limit_is_not_overrun():
@@ -169,7 +189,7 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
                 mixed += 1
                 assert spent <= bound or prompt[0][1] == 1, (prompt, spent)
             sched.issue(plan)
-            sched.update(plan, [next_token(r.all_ids[-1] if r.output_ids else r.prompt_ids[-1], s + n - 1)
+            sched.update(plan, [next_token((r.output_ids or r.prompt_ids)[-1], s + n - 1)
                                 for r, s, n in zip(plan.reqs, starts, plan.lens)])
         outputs[bound] = [r.output_ids for r in reqs]
         if bound:

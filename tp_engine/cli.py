@@ -160,16 +160,28 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         if streamer is not None:
             streamer.update(req.output_ids)
 
+    tally = dict.fromkeys(("requests", "prompt_tokens", "output_tokens", "cached_prompt_tokens", "errors"), 0)
+    indices = set()  # of the prompts with a result, when there are several samples
+
     def on_finish(out: dict) -> None:
         sink.add(out)
         progress.finished()
+        error = out["finish_reason"] == "error"
+        tally["requests"] += 1
+        tally["prompt_tokens"] += 0 if error else len(out["prompt_token_ids"])  # an error prompt's tokens never ran
+        tally["output_tokens"] += len(out["output_token_ids"])
+        tally["cached_prompt_tokens"] += out["cached_prompt_tokens"]
+        tally["errors"] += error
+        if n > 1:
+            indices.add(out["index"])
         if streamer is not None:
             # the finished text is cut before a stop string; with "reasoning" apart it is the answer alone
             streamer.update(out["output_token_ids"], final=True, text=None if "reasoning" in out else out.get("text"))
 
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token,
-                           encoded=preflight.encoded)
+    # no output is kept here: the sink has each one (a job of any length runs in bounded memory)
+    llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token, encoded=preflight.encoded,
+                 return_outputs=False)
     seconds = time.perf_counter() - t0
     sink.close()
     if _LATE:
@@ -178,23 +190,18 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         os._exit(128 + _LATE[0])
     if preflight.lock is not None:
         preflight.lock.release()
-    n_out = sum(len(o["output_token_ids"]) for o in outputs)
-    errors = sum(o["finish_reason"] == "error" for o in outputs)
-    ran = [o for o in outputs if o["finish_reason"] != "error"]  # an error prompt's tokens never ran
-    summary = {"requests": len(outputs), "prompt_tokens": sum(len(o["prompt_token_ids"]) for o in ran),
-               "output_tokens": n_out, "cached_prompt_tokens": sum(o["cached_prompt_tokens"] for o in outputs),
-               "errors": errors,
-               "seconds": round(seconds, 3), "tokens_per_s": round(n_out / max(seconds, 1e-9), 1)}
+    summary = {**tally, "seconds": round(seconds, 3),
+               "tokens_per_s": round(tally["output_tokens"] / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
         summary["preempted"] = llm.engine.num_preempted
     if n > 1:
-        summary["prompts"] = len({o["index"] for o in outputs})
+        summary["prompts"] = len(indices)
     if sink.done_keys:
         summary["resumed_skipped"] = len(sink.done_keys)
     print("summary: " + json.dumps(summary), file=sys.stderr)
-    if errors:  # finished, but not every prompt has a result: say so in the exit status (see troubleshooting.md)
+    if tally["errors"]:  # finished, but not every prompt has a result: say so in the exit status
         why = "shown above" if cfg["output"] is None and sys.stdout.isatty() else "in their \"error\" field"
-        return finish(llm, fail(0, f"{errors} of {len(outputs)} prompts ended with finish_reason \"error\" "
+        return finish(llm, fail(0, f"{tally['errors']} of {tally['requests']} prompts ended with finish_reason \"error\" "
                                    f"(the reason is {why})", EXIT_PROMPT_ERRORS))
     return finish(llm, 0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -231,16 +231,16 @@ class Engine:
                          self.model_cfg.eos_token_ids, self.cfg["max_prefill_cost_while_decoding"],
                          self.model_cfg.attention_span)
 
-    def run(self, requests: list[Request], on_token: Callable[[Request], bool] | None = None,
+    def run(self, requests: Iterable[Request], on_token: Callable[[Request], bool] | None = None,
             on_finish: Callable[[Request], None] | None = None) -> None:
         """Rank 0: generate for all requests, calling `on_finish` as each completes; then release the others.
+        The scheduler takes `requests` as it has room for them: a generator makes each only then.
 
         `on_token(req)` may return True to end a request early (stop strings).
         """
         try:
             sched = self.sched = self.new_scheduler()
-            for r in requests:
-                sched.add(r)
+            sched.feed(requests)
             inflight: Issued | None = None
             while sched.has_work():
                 plan = sched.schedule()

@@ -11,7 +11,7 @@ import gc
 import logging
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tp_engine import config as C
 from tp_engine import comm as tpd
@@ -99,13 +99,16 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
                  on_token: Callable[[Request], None] | None = None,
-                 encoded: list[list[int] | PromptError] | None = None) -> list[dict] | None:
+                 encoded: list[list[int] | PromptError] | None = None,
+                 return_outputs: bool = True) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
         skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
         ranks follow rank 0's steps and return None. `on_finish(output)` is called on
         rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
         already computed (the command line encodes before the weights load); `prompts` is then the list they
         came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
+        `return_outputs=False`: rank 0 returns None too and keeps no output once `on_finish` has had it, so
+        that a job of any length holds only the requests in flight.
 
         If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves the
         call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
@@ -122,48 +125,50 @@ class LLM:
         if not self.rank0:
             self.engine.follow()
             return None
+        try:  # the other ranks already wait for the first step: a failure here must release them
+            if encoded is not None and len(encoded) != len(prompts):
+                raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
+            self.prompts.check_stop_strings(params.stop)
+        except BaseException:
+            self.engine.release_followers()
+            raise
         outputs: dict[tuple[int, int], dict] = {}
-
+        enc = self.prompts
+        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens) if params.stop else None
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 
         def finish(req: Request) -> None:
             out = self.output(req, self.cfg["chat"] or req.index in chats)
-            outputs[req.index, req.sample] = out
+            if return_outputs:
+                outputs[req.index, req.sample] = out
             if on_finish is not None:
                 on_finish(out)
 
-        try:  # the other ranks already wait for the first step: a failure here must release them
-            if encoded is not None and len(encoded) != len(prompts):
-                raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
-            self.prompts.check_stop_strings(params.stop)
-            requests = []
+        def requests() -> Iterator[Request]:
+            """Made as the scheduler has room for them: a finished one is then dropped, not kept to the end."""
             for i, prompt in enumerate(prompts):
                 samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
                 if not samples:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
                 error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
-                for j in samples:  # n requests with the same ids: the prompt is encoded once
-                    req = Request(i, [] if isinstance(got, PromptError) else got, params, sample=j)
+                ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
+                for j in samples:
+                    req = Request(i, ids, params, sample=j)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
                         finish(req)
                     else:
-                        requests.append(req)
-        except BaseException:
-            self.engine.release_followers()
-            raise
-        enc = self.prompts
-        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens) if params.stop else None
+                        yield req
 
         def check_token(req: Request) -> bool:
             if on_token is not None:
                 on_token(req)
             return stops is not None and stops.hit(req)
 
-        self.engine.run(requests, check_token if (stops or on_token) else None, finish)
-        return [outputs[i] for i in sorted(outputs)]
+        self.engine.run(requests(), check_token if (stops or on_token) else None, finish)
+        return [outputs[i] for i in sorted(outputs)] if return_outputs else None
 
     def _prompt_problem(self, ids: list[int]) -> str | None:
         """Why these ids cannot run on this engine, or None."""

@@ -3,12 +3,11 @@ ever replaced atomically (from a temporary file private to the run) or appended 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Callable
 
 from tp_engine.config import ConfigError
 
@@ -95,19 +94,38 @@ class OutputLock:
             self.fd = None
 
 
-def write_lines(target: Path, records: Iterable[dict]) -> None:
-    """Replace `target` with one JSON line per record (see replace_text)."""
-    replace_text(target, "".join(json.dumps(r) + "\n" for r in records))
+Span = tuple[int, int]  # a line of a file: its offset and its length in bytes, newline not included
+
+
+def rewrite_lines(target: Path, spans: list[Span], tail: bytes = b"") -> list[int]:
+    """Replace `target` with its own lines at `spans`, in that order, each ending in a newline, then `tail`;
+    returns where each of those lines starts in the new file. The lines are copied, never all in memory."""
+    starts = []
+
+    def write(out: BinaryIO) -> None:
+        if spans:  # else there may be no file yet
+            with open(target, "rb") as src:
+                for offset, length in spans:
+                    src.seek(offset)
+                    starts.append(out.tell())
+                    out.write(src.read(length) + b"\n")
+        out.write(tail)
+    replace_with(target, write)
+    return starts
 
 
 def replace_text(target: Path, text: str) -> None:
-    """Replace `target` atomically: a reader (or a crash) never sees half a file. The temporary file is
-    private to this run and lives next to the target (os.replace needs one file system)."""
+    replace_with(target, lambda out: out.write(text.encode("utf-8")))
+
+
+def replace_with(target: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace `target` atomically with what `write` writes: a reader (or a crash) never sees half a file. The
+    temporary file is private to this run and lives next to the target (os.replace needs one file system)."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_temp_prefix(target.name), suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), _mode_for(target))
-            f.write(text)
+            write(f)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from tp_engine.config import SCHEMA, ConfigError
-from tp_engine.output_file import SETTINGS_SUFFIX, replace_text, write_lines
+from tp_engine.output_file import SETTINGS_SUFFIX, Span, replace_text, rewrite_lines
 from tp_engine.textio import canonical_json
 
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
@@ -56,62 +57,61 @@ def settings_path(target: Path) -> Path:
     return target.with_name(target.name + SETTINGS_SUFFIX)
 
 
-def key(out: dict) -> tuple[int, int]:
+Key = tuple[int, int]  # (prompt index, sample)
+
+
+def key(out: dict) -> Key:
     """A line's place: (prompt index, sample); lines without `sample` (n = 1) are sample 0."""
     return out["index"], out.get("sample", 0)
 
 
 def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
-                    samples: int = 1) -> tuple[dict[tuple[int, int], dict], list[dict]]:
-    """(finished lines to keep, by (index, sample); error lines, kept until their prompt has run again).
+                    samples: int = 1) -> tuple[dict[Key, Span], list[tuple[Key, Span]]]:
+    """(finished lines to keep, by (index, sample); error lines, kept until their prompt has run again), as
+    where they are in the file: a file of any size is read a line at a time.
 
     A finished line is kept only if this run would write it: its index is in the prompt list, its sample below
     `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error
     lines are always retried, and so are lines cut by the request limit (`length` before max_new_tokens).
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
-    lines = target.read_bytes().split(b"\n")
-    last = lines.pop()  # b"" when the file ends with a newline; else a last line cut short by a crash ...
-    if _parses(last):  # ... or a whole one without its newline (another tool's file): checked like the others
-        lines.append(last)
-    done: dict[tuple[int, int], dict] = {}
-    retry: list[dict] = []
+    done: dict[Key, Span] = {}
+    retry: list[tuple[Key, Span]] = []
     problems: list[str] = []
     this_run, saved = run_id(settings), _saved_settings(target)
     max_new = settings.get("sampling.max_new_tokens", 0)
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            out = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            out = None
-        if not (isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list)
-                and isinstance(out.get("sample", 0), int)):
-            problems.append(f"line {n} is not a result line")
-            continue
-        i, j = key(out)
-        if out.get("finish_reason") == "error":
-            if 0 <= i < len(encoded) and 0 <= j < samples:
-                retry.append(out)
-        elif not 0 <= i < len(encoded):
-            problems.append(f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
-        elif not 0 <= j < samples:
-            problems.append(f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
-        elif out.get("run") != this_run:
-            problems.append(_settings_change(saved, out.get("run"), settings, n))
-        elif isinstance(encoded[i], Exception):
-            problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
-        elif out["prompt_token_ids"] != encoded[i]:
-            problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
-        elif out.get("finish_reason") == "length" and len(out.get("output_token_ids") or ()) < max_new:
-            retry.append(out)  # cut by the request limit, which depends on the KV pool: run again under this one
-        else:
-            done[i, j] = out
+    with open(target, "rb") as f:
+        end = 0
+        for n, raw in enumerate(f, 1):
+            span, end = (end, len(raw) - raw.endswith(b"\n")), end + len(raw)
+            if not raw.strip() or not (raw.endswith(b"\n") or _parses(raw)):
+                continue  # an empty line, or a last line cut short by a crash (a whole one is checked like the rest)
+            out = _parsed(raw)
+            if out is None:
+                problems.append(f"line {n} is not a result line")
+                continue
+            i, j = key(out)
+            if out.get("finish_reason") == "error":
+                if 0 <= i < len(encoded) and 0 <= j < samples:
+                    retry.append(((i, j), span))
+            elif not 0 <= i < len(encoded):
+                problems.append(f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
+            elif not 0 <= j < samples:
+                problems.append(f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
+            elif out.get("run") != this_run:
+                problems.append(_settings_change(saved, out.get("run"), settings, n))
+            elif isinstance(encoded[i], Exception):
+                problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
+            elif out["prompt_token_ids"] != list(encoded[i]):
+                problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
+            elif out.get("finish_reason") == "length" and len(out.get("output_token_ids") or ()) < max_new:
+                retry.append(((i, j), span))  # cut by the request limit, which depends on the KV pool: run again
+            else:
+                done[i, j] = span
     if problems:
         count = f"{len(problems)} of {len(problems) + len(done) + len(retry)} lines differ"
         raise ConfigError(f"resume: {shown}: {problems[0]} ({count}); nothing was changed. Use a new output, "
                           "or resume: false to replace it")
-    return done, [r for r in retry if key(r) not in done]
+    return done, [r for r in retry if r[0] not in done]
 
 
 def _parses(raw: bytes) -> bool:
@@ -120,6 +120,18 @@ def _parses(raw: bytes) -> bool:
     except ValueError:  # not UTF-8, or not JSON
         return False
     return bool(raw.strip())
+
+
+def _parsed(raw: bytes) -> dict | None:
+    """A result line's object, or None for anything else."""
+    try:
+        out = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return None
+    if isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list) \
+            and isinstance(out.get("sample", 0), int):
+        return out
+    return None
 
 
 def _saved_settings(target: Path) -> dict:
@@ -170,56 +182,63 @@ class ResultSink:
     """Rank 0's results. With an output file, the file is left as it is until this run's first result exists;
     then it is replaced by the lines kept for resume plus that result, and each later result is appended and
     flushed the moment its request finishes (a crash loses only requests in flight). At the end the file is
-    rewritten in input order."""
+    rewritten in input order. What stays in memory is where each line is, not the line: a job's size is
+    bounded by its disk, not by rank 0's memory. Without a file the lines are kept (as JSON text) to be
+    printed in input order at the end."""
 
-    def __init__(self, target: Path | None, shown: str | None, settings: dict, done: dict[int, dict] | None = None,
-                 retry: list[dict] | None = None, decode: Callable[[list[int]], str | None] | None = None) -> None:
+    def __init__(self, target: Path | None, shown: str | None, settings: dict, done: dict[Key, Span] | None = None,
+                 retry: list[tuple[Key, Span]] | None = None,
+                 decode: Callable[[list[int]], str | None] | None = None) -> None:
         self.target, self.shown, self.settings, self.decode = target, shown, settings, decode
         self.run = run_id(settings)
-        self.results: dict[tuple[int, int], dict] = dict(done or {})
-        self.done_keys = set(self.results)  # (index, sample) of the lines kept from an earlier run
+        self.spans: dict[Key, Span] = dict(done or {})  # each result's line in the output file
+        self.done_keys = set(self.spans)  # (index, sample) of the lines kept from an earlier run
         self.retry = list(retry or [])
+        self.lines: dict[Key, str] = {}  # without an output file
         self.new = 0
         self.file = None
         self.printing = False  # close() is printing the results to stdout
 
     def add(self, out: dict) -> None:
-        out = {**out, "run": self.run}
-        self.results[key(out)] = out
+        line = json.dumps({**out, "run": self.run})
         self.new += 1
         if self.target is None:
+            self.lines[key(out)] = line
             return
+        data = line.encode("utf-8")
         if self.file is None:  # the first result of this run: only now may the old file go
-            kept = [self.results[k] for k in sorted(self.done_keys)]
             write_settings(self.target, self.run, self.settings)
-            write_lines(self.target, kept + self.retry + [out])
-            self.file = self.target.open("a", encoding="utf-8")
+            kept = sorted(self.done_keys)
+            spans = [self.spans[k] for k in kept] + [span for _, span in self.retry]
+            starts = rewrite_lines(self.target, spans, data + b"\n")
+            self.spans = {k: (start, length) for k, start, (_, length) in zip(kept, starts, spans)}
+            self.file = self.target.open("ab")
+            self.spans[key(out)] = (self.file.tell() - len(data) - 1, len(data))
         else:
-            self.file.write(json.dumps(out) + "\n")
+            self.spans[key(out)] = (self.file.tell(), len(data))
+            self.file.write(data + b"\n")
             self.file.flush()
 
     def close(self) -> None:
-        ordered = [self.results[i] for i in sorted(self.results)]
         if self.target is not None:
-            if not ordered:
+            if not self.spans:
                 return  # no result, none kept: the file stays as it was
             if self.file is not None:
                 self.file.close()
             else:
                 write_settings(self.target, self.run, self.settings)
-            write_lines(self.target, ordered)
+            rewrite_lines(self.target, [self.spans[k] for k in sorted(self.spans)])
         elif sys.stdout.isatty() and self.decode is not None:  # a person is watching: show the text
             self.printing = True
-            for out in ordered:
+            for k in sorted(self.lines):
+                out = json.loads(self.lines[k])
                 place = f"{out['index']}.{out['sample']}" if out.get("sample") else out["index"]
                 head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
                 body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
         else:
             self.printing = True
-            for out in ordered:
-                print(json.dumps(out))
-            sys.stdout.flush()
+            print_lines(self.lines[k] for k in sorted(self.lines))
 
     def on_stop(self) -> str:
         """The run is being stopped by a signal: keep what finished, and say where it is."""
@@ -229,12 +248,25 @@ class ResultSink:
             return f"finished results are in {self.shown}; run again with resume: true to continue"
         if self.printing:  # a second signal while close() printed them: stdout may end in a partial line
             return "stopped while the results were printed to stdout; the last line may be cut short"
-        for i in sorted(self.results):
-            sys.stdout.write(json.dumps(self.results[i]) + "\n")
-        sys.stdout.flush()
-        return f"{len(self.results)} finished results were printed to stdout" if self.results else \
+        print_lines(self.lines[k] for k in sorted(self.lines))
+        return f"{len(self.lines)} finished results were printed to stdout" if self.lines else \
             "no result had finished"
 
 
 def write_settings(target: Path, run: str, settings: dict) -> None:
     replace_text(settings_path(target), json.dumps({"run": run, "settings": settings}, indent=1, default=str) + "\n")
+
+
+def print_lines(lines: Iterable[str]) -> None:
+    """Each line to stdout whole. Python's unbuffered stdout (PYTHONUNBUFFERED=1, common in job scripts) drops
+    the rest of a write to a full pipe that a signal cuts short; here the bytes written are counted."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout replaced by an object without a file
+        sys.stdout.writelines(line + "\n" for line in lines)
+        return
+    for line in lines:
+        data = memoryview((line + "\n").encode("utf-8"))
+        while data:
+            data = data[os.write(fd, data):]

@@ -22,9 +22,11 @@ an EOS or stop string is seen one step late and that request's extra token is dr
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import torch
 
@@ -62,12 +64,8 @@ class Request:
     logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def num_tokens(self) -> int:
-        """len(all_ids) without building the list (called per request per step)."""
+        """Prompt and output tokens (called per request per step)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -85,7 +83,7 @@ class Request:
         return self.todo == 1 and self.num_cached >= len(self.prompt_ids)
 
     def tokens(self, start: int, n: int) -> list[int]:
-        """all_ids[start:start + n] without building all_ids."""
+        """(prompt_ids + output_ids)[start:start + n] without building that list."""
         P = len(self.prompt_ids)
         if start >= P:
             return self.output_ids[start - P:start - P + n]
@@ -120,13 +118,20 @@ class Scheduler:
         self.dropped: list[int] = []  # slots whose page tables the next message deletes
         self.num_preempted = 0
         self._slots = 0
+        self._source: Iterator[Request] = iter(())
 
     def add(self, req: Request) -> None:
         assert len(req.prompt_ids) < self.max_len, "prompt length is checked before add()"
         req.slot, self._slots = self._slots, self._slots + 1
         self.waiting.append(req)
 
+    def feed(self, requests: Iterable[Request]) -> None:
+        """Requests to add as room comes: a job of any length holds a batch of them beyond those running."""
+        self._source = iter(requests)
+
     def has_work(self) -> bool:
+        for req in itertools.islice(self._source, max(self.max_batch - len(self.waiting), 0)):
+            self.add(req)
         return bool(self.waiting or self.running)
 
     # ---- deciding a step ----

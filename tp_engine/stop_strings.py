@@ -2,6 +2,7 @@
 the output."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 
@@ -16,16 +17,17 @@ class StopStrings:
         """`no_text`: ids below `num_tokens` that decode to nothing (the special tokens)."""
         self.stops, self.decode, self.no_text, self.num_tokens = stops, decode, no_text, num_tokens
         self.need = 4 * max(map(len, stops)) + 4  # text-bearing tokens that hold the longest stop string
-        self.tails: dict[int, tuple[int, list[int]]] = {}  # id(request) -> (output ids seen, last text ids)
+        # request -> (output ids seen, last text ids); an entry goes with its request (a job of any length)
+        self.tails: weakref.WeakKeyDictionary[Any, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
 
     def hit(self, req: Any) -> bool:
         """True when `req.output_ids` decode to a text with a stop string; `req.text` is then cut before the
         earliest one."""
-        seen, tail = self.tails.get(id(req), (0, []))
+        seen, tail = self.tails.get(req, (0, []))
         ids = req.output_ids
         tail += [t for t in ids[seen:] if t < self.num_tokens and t not in self.no_text]
         del tail[:-self.need]
-        self.tails[id(req)] = (len(ids), tail)
+        self.tails[req] = (len(ids), tail)
         if not any(s in (self.decode(tail) or "") for s in self.stops):
             return False
         text = self.decode(ids) or ""
