@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
+    if rank != 0:
+        prompts = []  # read to fail as rank 0 does; only rank 0 holds a job's prompts
     install_signal_handlers(rank)
     try:
         return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)

@@ -11,7 +11,7 @@ import gc
 import logging
 import sys
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from tp_engine import config as C
 from tp_engine import comm as tpd
@@ -99,7 +99,7 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
                  on_token: Callable[[Request], None] | None = None,
-                 encoded: list[list[int] | PromptError] | None = None,
+                 encoded: list[Sequence[int] | PromptError] | None = None,
                  return_outputs: bool = True) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
         skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other

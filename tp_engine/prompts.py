@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tp_engine.config import ConfigError
 from tp_engine.textio import jsonl_lines, read_utf8
@@ -47,10 +48,21 @@ def read_prompts(cfg: dict) -> list[Prompt]:
             raise ConfigError(f"{path} line {n}: key '{e.args[0]}' is given twice in one object") from None
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
             raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
+        ids = item.get("input_ids")
+        if isinstance(ids, list) and all(_is_id(t) for t in ids):  # else the prompt's error says what is wrong
+            item["input_ids"] = compact(ids)
         prompts.append(item)
     if not prompts:
         raise ConfigError(f"config key 'prompts_file': {path} holds no prompts: nothing to generate")
     return prompts
+
+
+def compact(ids: list[int]) -> Sequence[int]:
+    """Token ids at 4 bytes each, not a Python int's 36: rank 0 holds every prompt of a job at once."""
+    try:
+        return array("i", ids)
+    except OverflowError:  # an id no vocabulary has: the prompt's error names it
+        return ids
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -128,8 +140,9 @@ class PromptEncoder:
         """The tokenizer's ids are those below this; `decode` skips the rest."""
         return len(self.tokenizer)
 
-    def encode_all(self, prompts: list[Prompt]) -> list[list[int] | PromptError]:
-        return [self.try_encode(p) for p in prompts]
+    def encode_all(self, prompts: list[Prompt]) -> list[Sequence[int] | PromptError]:
+        """Every prompt's ids (`compact`), or its error."""
+        return [got if isinstance(got, PromptError) else compact(got) for got in map(self.try_encode, prompts)]
 
     def try_encode(self, prompt: Prompt) -> list[int] | PromptError:
         """The ids of `prompt`, or the PromptError that says why it has none."""
@@ -154,6 +167,8 @@ class PromptEncoder:
                 raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
             if "input_ids" in prompt:
                 ids = prompt["input_ids"]
+                if isinstance(ids, array):  # read_prompts made it of checked ids
+                    return ids
                 if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
                     raise PromptError("input_ids must be a list of integers")
                 return ids
