@@ -100,6 +100,29 @@ def test_rank0_holds_a_jobs_prompt_ids_in_a_few_bytes_a_token(tmp_path, monkeypa
     assert (long - short) / (1000 * 200) < 12, f"{short:,} bytes held for 1,000 x 4 ids, {long:,} for 1,000 x 204"
 
 
+def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(monkeypatch):
+    """The command line tokenized a job's prompts one call each before any weight loaded; batches let a fast
+    tokenizer use its threads. Ids and errors must be those of each prompt alone, also when a batch fails."""
+    from transformers import AutoTokenizer
+    from tp_engine.prompts import TOKENIZE_BATCH, PromptEncoder, PromptError
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    words = "the rabbit hole went straight on like a tunnel and then dipped suddenly down".split()
+    texts = [" ".join(words[i % 7:i % 11 + 3]) + f" {i}" for i in range(TOKENIZE_BATCH + 300)]
+    prompts = [*texts, {"messages": [{"role": "user", "content": "Hi"}]}, {"input_ids": [3, 4]}, "bad \ud800", 5]
+    enc = PromptEncoder(str(DEMO))
+    calls = []
+    real = type(enc.tokenizer).__call__
+    monkeypatch.setattr(type(enc.tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    got = enc.encode_all(prompts)
+    expected = [tok.encode(t, add_special_tokens=False) for t in texts]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert [list(x) for x in got[:-2]] == [*expected, tok.encode(chat, add_special_tokens=False), [3, 4]]
+    assert isinstance(got[-2], PromptError) and "lone surrogate" in str(got[-2]) and isinstance(got[-1], PromptError)
+    assert len(calls) == 2  # two batches, not a call per prompt
+    monkeypatch.setattr(type(enc.tokenizer), "__call__", lambda self, *a, **k: 1 / 0)  # a batch that fails
+    assert [list(x) for x in enc.encode_all(texts[:5])] == expected[:5]
+
+
 def test_a_key_given_twice_in_a_prompts_file_line_is_refused(tmp_path, capsys):
     conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n{"prompt": "b", "prompt": "c"}\n')
     code, err = cli(capsys, "--config", str(conf), "--print-config")
@@ -260,6 +283,35 @@ def test_stop_strings_keep_nothing_of_a_finished_request():
     assert len(stops.tails) == 0
     req = _request(tok.encode(",", add_special_tokens=False))
     assert stops.hit(req) and req.text == ""
+
+
+def test_generate_runs_the_prompts_it_was_given_and_keeps_none_after_a_failed_call():
+    """Requests are made as the scheduler has room, so generate read the caller's list while it ran (a change from
+    on_finish changed what ran), and after a failed call the scheduler kept the half-read list to the next."""
+    import gc
+    import weakref
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+
+    class Prompt(dict):  # a prompt that a weak reference can follow
+        pass
+    llm = LLM(model=str(DEMO), device="cpu", max_batch_size=1)
+    params = SamplingParams(max_new_tokens=2)
+    prompts = [{"input_ids": [5, 6]}, {"input_ids": [7, 8]}, {"input_ids": [9]}]
+    outs = llm.generate(prompts, params, on_finish=lambda out: prompts.__setitem__(2, {"input_ids": [1]}))
+    assert [o["prompt_token_ids"] for o in outs] == [[5, 6], [7, 8], [9]]
+    late = Prompt(input_ids=[3, 4])
+    alive = weakref.ref(late)
+
+    def fail(out):
+        raise KeyError("from on_finish")
+    with pytest.raises(KeyError):
+        llm.generate([{"input_ids": [5, 6]}, late], params, on_finish=fail)
+    del late
+    gc.collect()
+    assert alive() is None
+    assert [o["prompt_token_ids"] for o in llm.generate([[2, 3]], params)] == [[2, 3]]
+    llm.shutdown()
 
 
 # ---- mistakes in the config's structure, and values no run can use ----

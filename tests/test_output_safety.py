@@ -288,6 +288,39 @@ def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monk
     assert [(o["index"], len(o["output_token_ids"])) for o in lines] == [(i, 132) for i in range(64)]
 
 
+LATE_SIGNAL = r"""
+import os, signal, sys
+from tp_engine import cli
+from tp_engine.results import ResultSink
+
+cli.install_signal_handlers(0)
+cli._SINK = ResultSink(None, None, {"model": "m"})
+cli._SINK.add({"index": 0, "output_token_ids": [5], "finish_reason": "length"})
+cli._SINK.close()  # printed; run() has looked for a late signal already
+os.kill(os.getpid(), signal.SIGINT)
+print("went on", file=sys.stderr)
+"""
+
+
+def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
+    """A signal taken as "late" (come while the results printed) after run() had looked for one was dropped:
+    the job went on and exited 0, and the Ctrl-C test above failed that way about one run in three."""
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
+    assert "stopped by SIGINT after the results were printed" in proc.stderr and "went on" not in proc.stderr
+    assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
+
+
+def test_results_printed_to_a_stdout_without_a_file_are_flushed(monkeypatch):
+    """The signal handler leaves with os._exit: lines left in stdout's buffer were lost."""
+    import io
+    from tp_engine.results import print_lines
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw))
+    print_lines(['{"index": 0}'])
+    assert raw.getvalue() == b'{"index": 0}\n'
+
+
 # ---- resume ----
 
 @pytest.fixture(scope="module")
@@ -365,11 +398,12 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
             "run": run}
     cut = {**line, "index": 1, "output_token_ids": [3] * 5}  # max_new_tokens is 8
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps(line) + "\n" + json.dumps(cut))  # no final newline
+    out.write_text(json.dumps(line) + "\r\n" + json.dumps(cut))  # another tool's CRLF, no final newline
     done, retry = read_for_resume(out, "out.jsonl", [[1, 2], [1, 2]], settings)
     assert list(done) == [(0, 0)] and [k for k, _ in retry] == [(1, 0)]
     (start, length), = [span for _, span in retry]
     assert json.loads(out.read_bytes()[start:start + length]) == cut
+    assert done[0, 0] == (0, len(json.dumps(line)))  # kept without its CR: the file is rewritten with LF ends
     out.write_text(json.dumps({"loss": 0.5}))  # another tool's file, one line, no final newline
     with pytest.raises(ConfigError, match="line 1 is not a result line"):
         read_for_resume(out, "out.jsonl", [[1, 2]], settings)

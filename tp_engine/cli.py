@@ -243,7 +243,9 @@ def install_signal_handlers(rank: int) -> None:
     """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
     an output file, prints them to stdout before it exits."""
     stopping = threading.Lock()
-    printing = lambda: rank == 0 and _SINK is not None and _SINK.printing  # noqa: E731 - close() prints results
+    # close() is printing the results to stdout, or has printed them all
+    printing = lambda: rank == 0 and _SINK is not None and _SINK.printing and not _SINK.printed  # noqa: E731
+    printed = lambda: rank == 0 and _SINK is not None and _SINK.printed  # noqa: E731
 
     def stop(signum, frame):
         if frame is not None and printing():
@@ -253,7 +255,9 @@ def install_signal_handlers(rank: int) -> None:
             return
         if not stopping.acquire(blocking=False):
             return  # already stopping (a second Ctrl-C, or the other thread below)
-        if rank == 0:
+        if printed():  # after run() looked for a late signal
+            print(f"\nstopped by {signal.Signals(signum).name} after the results were printed", file=sys.stderr)
+        elif rank == 0:
             where = _SINK.on_stop() if _SINK is not None else "no result had finished"
             print(f"\nstopped by {signal.Signals(signum).name}: {where}", file=sys.stderr)
         sys.stderr.flush()
@@ -274,7 +278,7 @@ def install_signal_handlers(rank: int) -> None:
             signum = os.read(read_end, 1)[0]
             if signum in (signal.SIGINT, signal.SIGTERM):
                 time.sleep(1.0)  # the main thread's handler normally exits first
-                if _LATE or printing():  # the main thread prints the
+                if (_LATE and not printed()) or printing():  # the main thread prints the
                     continue  # results, and its handler (it runs once a write returns) then exits after them
                 stop(signum, None)
 

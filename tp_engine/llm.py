@@ -117,7 +117,7 @@ class LLM:
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new LLM to generate again")
         self.engine.check_usable()
-        prompts = list(prompts) if encoded is not None else as_list(prompts)
+        prompts = list(prompts if encoded is not None else as_list(prompts))  # the caller may change its list
         params = sampling_params if sampling_params is not None else sampling_params_from(self.cfg)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -167,7 +167,11 @@ class LLM:
                 on_token(req)
             return stops is not None and stops.hit(req)
 
-        self.engine.run(requests(), check_token if (stops or on_token) else None, finish)
+        made = requests()
+        try:
+            self.engine.run(made, check_token if (stops or on_token) else None, finish)
+        finally:
+            made.close()  # after a failure the scheduler still holds it: keep nothing of this call
         return [outputs[i] for i in sorted(outputs)] if return_outputs else None
 
     def _prompt_problem(self, ids: list[int]) -> str | None:

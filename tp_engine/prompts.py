@@ -10,13 +10,14 @@ import functools
 import json
 from array import array
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tp_engine.config import ConfigError
 from tp_engine.textio import jsonl_lines, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
+TOKENIZE_BATCH = 1024  # texts per call of the tokenizer
 
 
 class PromptError(ValueError):
@@ -141,8 +142,19 @@ class PromptEncoder:
         return len(self.tokenizer)
 
     def encode_all(self, prompts: list[Prompt]) -> list[Sequence[int] | PromptError]:
-        """Every prompt's ids (`compact`), or its error."""
-        return [got if isinstance(got, PromptError) else compact(got) for got in map(self.try_encode, prompts)]
+        """Every prompt's ids (`compact`), or its error. Texts are tokenized in batches, which a fast tokenizer
+        spreads over its threads: a job's million prompts are encoded before any weight loads."""
+        got = [self._attempt(self._source, p) for p in prompts]  # ids, a text to tokenize, or an error
+        texts = [i for i, x in enumerate(got) if isinstance(x, str)]
+        for start in range(0, len(texts), TOKENIZE_BATCH):
+            batch = texts[start:start + TOKENIZE_BATCH]
+            try:
+                ids = self.tokenizer([got[i] for i in batch], add_special_tokens=False)["input_ids"]
+            except Exception:  # noqa: BLE001 - one text failed: find which, one at a time
+                ids = [self._attempt(self._tokenize, got[i]) for i in batch]
+            for i, x in zip(batch, ids):
+                got[i] = x
+        return [x if isinstance(x, PromptError) else compact(x) for x in got]
 
     def try_encode(self, prompt: Prompt) -> list[int] | PromptError:
         """The ids of `prompt`, or the PromptError that says why it has none."""
@@ -153,14 +165,29 @@ class PromptEncoder:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The ids of one prompt; any failure (the tokenizer's, the chat template's) is raised as PromptError."""
-        try:
-            return list(self._encode(prompt))  # a copy: the caller may reuse its input_ids list meanwhile
-        except PromptError:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever a template or tokenizer raises concerns this prompt only
-            raise PromptError(f"cannot encode the prompt: {type(e).__name__}: {e}") from None
+        got = self._attempt(self._source, prompt)
+        if isinstance(got, str):
+            got = self._attempt(self._tokenize, got)
+        if isinstance(got, PromptError):
+            raise got
+        return list(got)  # a copy: the caller may reuse its input_ids list meanwhile
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    @staticmethod
+    def _attempt(step: Callable[[Any], Any], arg: Any) -> Any:
+        """step(arg), or the PromptError for whatever it raised (a template's or tokenizer's error concerns
+        this prompt only)."""
+        try:
+            return step(arg)
+        except PromptError as e:
+            return e
+        except Exception as e:  # noqa: BLE001
+            return PromptError(f"cannot encode the prompt: {type(e).__name__}: {e}")
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _source(self, prompt: Prompt) -> str | Sequence[int]:
+        """What `prompt` is made of: its token ids, or the text (chat template applied) to tokenize."""
         if isinstance(prompt, dict):
             given = [k for k in PROMPT_KEYS if k in prompt]
             if len(given) > 1:  # which one counts would be a guess
@@ -173,7 +200,7 @@ class PromptEncoder:
                     raise PromptError("input_ids must be a list of integers")
                 return ids
             if "messages" in prompt:
-                return self._apply_chat(_checked_messages(prompt["messages"]))
+                return self._chat_text(_checked_messages(prompt["messages"]))
             if "prompt" not in prompt:
                 raise PromptError("a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys "
                                   f"{sorted(map(str, prompt))}")
@@ -184,8 +211,9 @@ class PromptEncoder:
             raise PromptError(f"a prompt must be a string, a list of token ids or an object; got {type(prompt).__name__}")
         _check_unicode(prompt, "the prompt")
         if self.chat:
-            return self._apply_chat([{"role": "user", "content": prompt}])
-        return self._need_tokenizer().encode(prompt, add_special_tokens=False)
+            return self._chat_text([{"role": "user", "content": prompt}])
+        self._need_tokenizer()
+        return prompt
 
     def _need_tokenizer(self):
         tok, reason = load_tokenizer(self.model_dir)
@@ -194,13 +222,12 @@ class PromptEncoder:
                               "give {\"input_ids\": [...]} instead")
         return tok
 
-    def _apply_chat(self, messages: list[dict]) -> list[int]:
+    def _chat_text(self, messages: list[dict]) -> str:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise PromptError(f"chat prompts need a chat template in {self.model_dir} (chat_template.jinja, "
                               "or chat_template in tokenizer_config.json)")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
 
 
 def _checked_messages(messages: Any) -> list[dict]:

@@ -82,7 +82,7 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
     with open(target, "rb") as f:
         end = 0
         for n, raw in enumerate(f, 1):
-            span, end = (end, len(raw) - raw.endswith(b"\n")), end + len(raw)
+            span, end = (end, len(raw.removesuffix(b"\n").removesuffix(b"\r"))), end + len(raw)  # CRLF: LF
             if not raw.strip() or not (raw.endswith(b"\n") or _parses(raw)):
                 continue  # an empty line, or a last line cut short by a crash (a whole one is checked like the rest)
             out = _parsed(raw)
@@ -197,7 +197,7 @@ class ResultSink:
         self.lines: dict[Key, str] = {}  # without an output file
         self.new = 0
         self.file = None
-        self.printing = False  # close() is printing the results to stdout
+        self.printing = self.printed = False  # close() is printing the results to stdout; has printed them
 
     def add(self, out: dict) -> None:
         line = json.dumps({**out, "run": self.run})
@@ -236,9 +236,11 @@ class ResultSink:
                 head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
                 body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
+            self.printed = True
         else:
             self.printing = True
             print_lines(self.lines[k] for k in sorted(self.lines))
+            self.printed = True
 
     def on_stop(self) -> str:
         """The run is being stopped by a signal: keep what finished, and say where it is."""
@@ -265,6 +267,7 @@ def print_lines(lines: Iterable[str]) -> None:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # stdout replaced by an object without a file
         sys.stdout.writelines(line + "\n" for line in lines)
+        sys.stdout.flush()
         return
     for line in lines:
         data = memoryview((line + "\n").encode("utf-8"))
