@@ -123,6 +123,36 @@ def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(mon
     assert [list(x) for x in enc.encode_all(texts[:5])] == expected[:5]
 
 
+def test_encoding_a_jobs_texts_holds_a_batch_of_them_as_python_ints(monkeypatch):
+    """encode_all tokenized every text, then made the ids compact: at its peak it held all of a job's ids as
+    Python ints, about 45 bytes a token."""
+    import tracemalloc
+    from tp_engine import prompts as P
+    monkeypatch.setattr(P, "TOKENIZE_BATCH", 64)
+    enc = P.PromptEncoder(str(DEMO))
+    words = "the rabbit hole went straight on like a tunnel and then dipped suddenly down".split()
+
+    def peak(n_words: int) -> tuple[int, int]:
+        """(bytes at the peak of encoding 2,000 texts of `n_words` words, their tokens)"""
+        texts = [" ".join(words[(i + j) % len(words)] for j in range(n_words)) for i in range(2000)]
+        tracemalloc.start()
+        try:
+            ids = enc.encode_all(texts)
+            return tracemalloc.get_traced_memory()[1], sum(map(len, ids))
+        finally:
+            tracemalloc.stop()
+    enc.encode_all(["warm up"])
+    (short, short_tokens), (long, long_tokens) = peak(3), peak(150)
+    assert (long - short) / (long_tokens - short_tokens) < 15, f"{short:,} bytes at the peak, then {long:,}"
+
+
+def test_input_ids_given_as_an_array_of_floats_are_refused():
+    from tp_engine.prompts import PromptEncoder, PromptError
+    got = PromptEncoder(str(DEMO)).encode_all([{"input_ids": array("d", [5.0, 6.5])}, {"input_ids": array("i", [5])}])
+    assert isinstance(got[0], PromptError) and "input_ids must be a list of integers" in str(got[0])
+    assert list(got[1]) == [5]
+
+
 def test_a_key_given_twice_in_a_prompts_file_line_is_refused(tmp_path, capsys):
     conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n{"prompt": "b", "prompt": "c"}\n')
     code, err = cli(capsys, "--config", str(conf), "--print-config")

@@ -311,6 +311,15 @@ def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
     assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
 
 
+def test_a_failure_after_the_results_were_printed_does_not_say_a_line_may_be_cut(capsys):
+    from tp_engine.results import ResultSink
+    sink = ResultSink(None, None, {"model": "m"})
+    sink.add({"index": 0, "output_token_ids": [5], "finish_reason": "length"})
+    sink.close()
+    assert sink.on_stop() == "the results were printed to stdout"
+    assert [json.loads(line)["index"] for line in capsys.readouterr().out.splitlines()] == [0]
+
+
 def test_results_printed_to_a_stdout_without_a_file_are_flushed(monkeypatch):
     """The signal handler leaves with os._exit: lines left in stdout's buffer were lost."""
     import io

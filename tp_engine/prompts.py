@@ -144,17 +144,18 @@ class PromptEncoder:
     def encode_all(self, prompts: list[Prompt]) -> list[Sequence[int] | PromptError]:
         """Every prompt's ids (`compact`), or its error. Texts are tokenized in batches, which a fast tokenizer
         spreads over its threads: a job's million prompts are encoded before any weight loads."""
-        got = [self._attempt(self._source, p) for p in prompts]  # ids, a text to tokenize, or an error
-        texts = [i for i, x in enumerate(got) if isinstance(x, str)]
-        for start in range(0, len(texts), TOKENIZE_BATCH):
-            batch = texts[start:start + TOKENIZE_BATCH]
+        out: list[Sequence[int] | PromptError] = []
+        for start in range(0, len(prompts), TOKENIZE_BATCH):  # a batch at a time is held as Python ints
+            got = [self._attempt(self._source, p) for p in prompts[start:start + TOKENIZE_BATCH]]
+            texts = [i for i, x in enumerate(got) if isinstance(x, str)]  # else ids or an error
             try:
-                ids = self.tokenizer([got[i] for i in batch], add_special_tokens=False)["input_ids"]
+                ids = self.tokenizer([got[i] for i in texts], add_special_tokens=False)["input_ids"] if texts else []
             except Exception:  # noqa: BLE001 - one text failed: find which, one at a time
-                ids = [self._attempt(self._tokenize, got[i]) for i in batch]
-            for i, x in zip(batch, ids):
+                ids = [self._attempt(self._tokenize, got[i]) for i in texts]
+            for i, x in zip(texts, ids):
                 got[i] = x
-        return [x if isinstance(x, PromptError) else compact(x) for x in got]
+            out += [x if isinstance(x, PromptError) else compact(x) for x in got]
+        return out
 
     def try_encode(self, prompt: Prompt) -> list[int] | PromptError:
         """The ids of `prompt`, or the PromptError that says why it has none."""
@@ -194,7 +195,7 @@ class PromptEncoder:
                 raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
             if "input_ids" in prompt:
                 ids = prompt["input_ids"]
-                if isinstance(ids, array):  # read_prompts made it of checked ids
+                if isinstance(ids, array) and ids.typecode == "i":  # as read_prompts makes them: integers
                     return ids
                 if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
                     raise PromptError("input_ids must be a list of integers")

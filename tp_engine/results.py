@@ -248,6 +248,8 @@ class ResultSink:
             if self.new == 0 and not self.done_keys:
                 return f"no result had finished; {self.shown} was left as it was"
             return f"finished results are in {self.shown}; run again with resume: true to continue"
+        if self.printed:
+            return "the results were printed to stdout"
         if self.printing:  # a second signal while close() printed them: stdout may end in a partial line
             return "stopped while the results were printed to stdout; the last line may be cut short"
         print_lines(self.lines[k] for k in sorted(self.lines))
