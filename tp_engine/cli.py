@@ -125,6 +125,9 @@ class Preflight:
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
             done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])
+        elif target is not None and cfg["resume"]:  # a relative output, say, from another working directory
+            log.warning("resume: %s does not exist%s: nothing to resume, every prompt runs", shown,
+                        f" ({target})" if str(target) != shown else "")
         self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
 
 
