@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tp_engine.generation_config import GenerationConfigError, sampling_defaults
+from tp_engine.generation_config import GenerationConfigError, apply_sampling_defaults
 from tp_engine.textio import canonical_json, load_yaml, read_utf8
 
 log = logging.getLogger("tp_engine")
@@ -189,9 +189,14 @@ def _apply_layer(layer: list[dict], flat: dict) -> None:
         _flatten(d, flat)
 
 
-def _unknown(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, list(SCHEMA), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+def _unknown(name: str, value: Any = None) -> ConfigError:
+    """Naming the key meant: one written without its section (`top_p`), a misspelt section (`sample:`), or the closest."""
+    bare = {d.rsplit(".", 1)[-1]: d for d in SCHEMA if "." in d}
+    close = [name] if name in bare else []
+    if not close and isinstance(value, dict):
+        close = difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6)
+    close = close or difflib.get_close_matches(name, list(SCHEMA) + list(bare), n=1, cutoff=0.6)
+    hint = f"; did you mean '{bare.get(close[0], close[0])}'?" if close else ""
     return ConfigError(f"unknown config key '{name}'{hint}")
 
 
@@ -233,28 +238,18 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
     cfg = defaults()
     for k, v in flat.items():
         if k not in SCHEMA:
-            raise _unknown(k)
+            raise _unknown(k, v)
         if isinstance(v, bool) and SCHEMA[k].choices and "off" in SCHEMA[k].choices:
             v = "on" if v else "off"  # YAML 1.1 reads a bare on / off as true / false
         if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
             v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
         _set_dotted(cfg, k, v)
     validate(cfg)
-    _generation_defaults(cfg, set(flat))
-    return cfg
-
-
-def _generation_defaults(cfg: dict, explicit: set[str]) -> None:
-    """The sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)."""
-    try:
-        found = sampling_defaults(cfg["model"])
+    try:  # the sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)
+        apply_sampling_defaults(cfg, set(flat))
     except GenerationConfigError as e:
         raise ConfigError(str(e)) from None
-    applied = {k: v for k, v in found.items() if f"sampling.{k}" not in explicit}
-    if applied:
-        cfg["sampling"].update(applied)
-        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s", cfg["model"],
-                 ", ".join(f"{k}={v}" for k, v in applied.items()))
+    return cfg
 
 
 def get(cfg: dict, dotted: str) -> Any:
@@ -283,8 +278,13 @@ def validate(cfg: dict) -> None:
         raise ConfigError("config key 'model' is required: the checkpoint directory")
     for dotted, key in SCHEMA.items():
         check_value(f"config key '{dotted}'", key, get(cfg, dotted))
-    if not Path(cfg["model"]).is_dir():
-        raise ConfigError(f"config key 'model': directory not found: {cfg['model']}")
+    model = Path(cfg["model"])
+    if model.is_file():
+        raise ConfigError(f"config key 'model': {cfg['model']} is a file; give the checkpoint's folder (config.json, *.safetensors)")
+    if not model.is_dir():
+        where = "" if model.is_absolute() else f" (a relative path is looked for from the current directory, " \
+            f"{os.getcwd()}, then from the config file's folder)"
+        raise ConfigError(f"config key 'model': directory not found: {cfg['model']}{where}")
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
 

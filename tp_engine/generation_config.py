@@ -68,3 +68,12 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
             raise GenerationConfigError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)}")
         out[name] = v
     return out
+
+
+def apply_sampling_defaults(cfg: dict, explicit: set[str]) -> None:
+    """cfg's sampling keys that are not in `explicit` (dotted keys the user set) take the checkpoint's values."""
+    applied = {k: v for k, v in sampling_defaults(cfg["model"]).items() if f"sampling.{k}" not in explicit}
+    if applied:
+        cfg["sampling"].update(applied)
+        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s", cfg["model"],
+                 ", ".join(f"{k}={v}" for k, v in applied.items()))
