@@ -440,3 +440,18 @@ def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt
     assert code != 0
     assert ("error: rank 1: RuntimeError: rank 1: no step message from rank 0 within timeout_s (Timed out waiting "
             "5000ms for recv operation to complete); another rank probably failed") in err, err[-3000:]
+
+
+# rank 0 stops before a step's forward: rank 1, which has the step, waits in the first all-reduce
+STALLED_RANK_0 = on_call("engine.Engine.forward", "0", 150, "time.sleep(60)")
+
+
+def test_rank_waiting_past_timeout_s_in_a_collective_says_so_in_one_line(ckpt, tmp_path):
+    """gloo's own timeout used to end the job with its C++ source path and a traceback, and no word of timeout_s."""
+    cfg, out = long_job(ckpt, tmp_path)
+    code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, STALLED_RANK_0, 50)
+    assert code != 0
+    assert ("error: rank 1: another rank did not join a collective within timeout_s (5 s; Timed out waiting 5000ms "
+            "for recv operation to complete): it is stuck or stopped") in err, err[-3000:]
+    assert not re.search(r'File ".*(tp_engine|launch)/', err) and ".cc:" not in err, err[-3000:]
+    check_results_file(out, 300)
