@@ -1,6 +1,5 @@
 """The config errors a new user meets first: a key written without its section or under a misspelt section, and a
 `model` that is a file or a relative path that is not there. Each message names what to write instead."""
-import os
 
 import pytest
 
