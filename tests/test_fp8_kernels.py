@@ -5,7 +5,8 @@
   GEMM after `prepare_activations`, and the dequantization for cuBLAS, on a shard with ragged sizes, a k
   offset (a row-parallel shard that starts inside a block) and scale rows that change inside a tile;
 - compiled for the H200 (sm_90): each structural variant must pass ptxas without register spills, within
-  an SM's shared memory, and the GEMM's k-loop must be pipelined (asynchronous copies).
+  an SM's shared memory, and the GEMM's k-loop must be pipelined (asynchronous copies); the GEMV's k-loop
+  must do no sums across threads.
 
 Triton is optional (CUDA builds of torch bring it); without it these tests skip. tests/test_gpu_fp8.py runs
 the kernels on a GPU.
@@ -169,6 +170,38 @@ def test_kernels_compile_for_sm90():
             assert "async_copy" in k.asm["ttgir"], f"{what}: the k-loop is not pipelined"
             if consts["SWAP"] and consts["BLOCK_N"] >= 64:  # the weight rows fill Hopper's wgmma
                 assert "warp_group_dot" in k.asm["ttgir"], what
+
+
+def _loop_body(cubin: bytes) -> list[str]:
+    """The SASS instructions of the kernel's k-loop: from the target of its backward branch to the branch."""
+    import re
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    return [line.split("*/", 1)[1].strip() for line in lines[start:end + 1] if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("uniform", [True, False])
+def test_fp8_gemv_loop_does_no_work_across_threads(uniform):
+    """The FP8 GEMV is held by instruction issue: its k-loop sums no products across threads (that took 12-48 warp
+    shuffles an iteration, and barriers with them), and loads the weights 16 bytes at a time."""
+    from tp_engine.kernels import fp8
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
+    for bn, kb, warps in fp8.GEMV_CONFIGS:
+        k = _compile(fp8._fp8_gemv_kernel, types, dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PDL=True), warps, 3)
+        body = _loop_body(k.asm["cubin"])
+        ops = [line.split()[0] if not line.startswith("@") else line.split()[1] for line in body]
+        what = f"tile {(bn, kb, warps)}, uniform={uniform}"
+        assert not [op for op in ops if op.startswith("SHFL")], what
+        assert sum(op.startswith("LDG.E.EF.128") for op in ops) == bn * kb * 128 // (16 * 32 * warps), what
 
 
 def test_fp32_activations_never_take_the_fp16_operand_gemms():

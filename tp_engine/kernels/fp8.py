@@ -34,26 +34,26 @@ if triton is not None:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, N, K, w_stride, s_stride, k_shift, n_kb,
                          BLOCK_N: tl.constexpr, KB: tl.constexpr, UNIFORM: tl.constexpr, PDL: tl.constexpr):
         """One program: BLOCK_N output rows, KB whole k-blocks (128 columns each) per iteration; n_kb =
-        ceil((K + k_shift) / 128), from the host. Each thread holds several rows of the same columns, so the
-        activations are converted once per column, not once per weight.
+        ceil((K + k_shift) / 128), from the host.
 
-        UNIFORM (the program's rows share one scale row, as every tile of the public shapes does): the block
-        scales multiply the activations, once per column, and each iteration's products are summed at once
-        into one value per row: a weight costs one conversion and one FMA, and few registers stay live, so
-        more programs (and loads) are in flight. Otherwise each (row, k-block) dot is summed unscaled and
-        scaled once."""
+        Converting fp8 weights costs instructions, not bytes: the loop is held by instruction issue before
+        bandwidth. So each iteration does no work across threads. A thread sums its own 16 columns of each
+        row (one 16-byte load a row, within one k-block), scales that partial dot by the k-block's scale, and
+        keeps it; the sums over threads happen once, after the loop. UNIFORM: the program's rows share one
+        scale row (every tile of the public shapes), so one scale per thread and k-block."""
         first = tl.program_id(0) * BLOCK_N
         rows = first + tl.arange(0, BLOCK_N)
         rmask = rows < N
         BK: tl.constexpr = KB * 128
+        G: tl.constexpr = BK // 16  # groups of 16 columns, each inside one k-block
         kk = tl.arange(0, BK)
+        g = tl.arange(0, G)
         w_rows = w_ptr + rows[:, None].to(tl.int64) * w_stride
         if UNIFORM:
             s_rows = s_ptr + tl.load(srow_ptr + first) * s_stride
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             s_rows = s_ptr + tl.load(srow_ptr + rows, mask=rmask, other=0)[:, None] * s_stride
-            acc = tl.zeros([BLOCK_N, KB], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
         if PDL:  # the first tile into the L2 cache before waiting for x; one address per 128-byte line
             lines = tl.minimum(tl.maximum(tl.arange(0, KB) * 128 - k_shift, 0), K - 1)
             _prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :])
@@ -65,21 +65,19 @@ if triton is not None:
             # each weight is read once per step: keep it from pushing activations out of the L2 cache
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
+            dots = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, G, 16)), axis=2)
+            b = b0 + g // 8
             if UNIFORM:
-                b = b0 + kk // 128
-                acc += tl.sum(w * (x * tl.load(s_rows + b, mask=b < n_kb, other=0.0))[None, :], axis=1)
+                acc += dots * tl.load(s_rows + b, mask=b < n_kb, other=0.0)[None, :]
             else:
-                b = b0 + tl.arange(0, KB)
-                dots = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, KB, 128)), axis=2)
                 acc += dots * tl.load(s_rows + b[None, :], mask=rmask[:, None] & (b < n_kb)[None, :], other=0.0)
-        if not UNIFORM:
-            acc = tl.sum(acc, axis=1)
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-# (rows per program, k-blocks of 128 per iteration, warps): the fastest on an H200 for Qwen3-8B's shapes at
-# TP 1 and 2, and neighbours (the timing picks per shape)
-GEMV_CONFIGS = [(4, 16, 4), (4, 16, 2), (4, 32, 2), (8, 8, 4), (8, 32, 4), (8, 4, 2), (8, 16, 4), (16, 4, 4)]
+# (rows per program, k-blocks of 128 per iteration, warps): the fastest inside a decode step on an H200 for the
+# shapes of Qwen3-8B and Qwen3-0.6B, and neighbours (the timing picks per shape). Tiles of 8 warps time faster alone on
+# some shapes and make the step slower, so none is offered.
+GEMV_CONFIGS = [(4, 4, 2), (8, 8, 2), (8, 16, 4), (4, 16, 4), (2, 32, 4), (8, 8, 4), (4, 8, 2), (16, 4, 4)]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor, k_shift: int,
