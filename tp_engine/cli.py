@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
             message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; torchrun's summary " \
                 "names it"  # its traceback would only show where this rank was waiting
-        elif isinstance(e, RuntimeError) and "Timed out waiting" in str(e):
+        elif isinstance(e, RuntimeError) and "Timed out waiting" in str(e) and "timeout_s" not in str(e):
+            # gloo's own words; a message of the engine's that names timeout_s already says what waited
             message = f"another rank did not join a collective within timeout_s ({cfg['timeout_s']} s; " \
                 f"{gloo_reason(e)}): it is stuck or stopped"
         else:
