@@ -33,6 +33,14 @@ def test_unknown_key_suggests_the_key_meant(given, meant):
     assert error(given) == f"unknown config key '{name}'; did you mean '{meant}'?"
 
 
+@pytest.mark.parametrize("given", ["tp=2", "num_gpus=2", "num_samples=2", "num_beams=2", "stop_strings=[x]",
+                                   "pad_token_id=0"])
+def test_unknown_key_suggests_no_unrelated_key(given):
+    """A bare name matched loosely: 'tp' was 'sampling.stop', 'num_gpus' 'kv_cache.num_pages', 'stop_strings'
+    (transformers' name for sampling.stop) 'sampling.stop_token_ids'."""
+    assert error(given) == f"unknown config key '{given.split('=')[0]}'"
+
+
 def test_misspelt_section_in_a_file_suggests_the_section(tmp_path):
     conf = tmp_path / "run.yaml"
     conf.write_text(f"model: {DEMO}\nprompts: [a]\nsample:\n  temperature: 0.7\n")
@@ -49,6 +57,5 @@ def test_model_that_is_a_file_is_called_a_file():
 
 def test_relative_model_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert error("model=models/demo") == ("config key 'model': directory not found: models/demo (a relative path is "
-                                          f"looked for from the current directory, {tmp_path}, then from the config "
-                                          "file's folder)")
+    assert error("model=models/demo") == (f"config key 'model': directory not found: models/demo (looked for from "
+                                          f"{tmp_path}; a path in the config file also from its folder)")

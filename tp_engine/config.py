@@ -192,10 +192,11 @@ def _apply_layer(layer: list[dict], flat: dict) -> None:
 def _unknown(name: str, value: Any = None) -> ConfigError:
     """Naming the key meant: one written without its section (`top_p`), a misspelt section (`sample:`), or the closest."""
     bare = {d.rsplit(".", 1)[-1]: d for d in SCHEMA if "." in d}
-    close = [name] if name in bare else []
-    if not close and isinstance(value, dict):
-        close = difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6)
-    close = close or difflib.get_close_matches(name, list(SCHEMA) + list(bare), n=1, cutoff=0.6)
+    sections = difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6) if isinstance(value, dict) else []
+    # a bare name must be nearer (0.8): short ones sit within 0.6 of many typos ('tp' of 'stop')
+    ratio = {c: difflib.SequenceMatcher(None, c, name).ratio() for c in [*SCHEMA, *bare]}
+    near = [(r, c) for c, r in ratio.items() if r >= (0.8 if c in bare else 0.6)]
+    close = sections or ([max(near)[1]] if near else [])
     hint = f"; did you mean '{bare.get(close[0], close[0])}'?" if close else ""
     return ConfigError(f"unknown config key '{name}'{hint}")
 
@@ -282,8 +283,7 @@ def validate(cfg: dict) -> None:
     if model.is_file():
         raise ConfigError(f"config key 'model': {cfg['model']} is a file; give the checkpoint's folder (config.json, *.safetensors)")
     if not model.is_dir():
-        where = "" if model.is_absolute() else f" (a relative path is looked for from the current directory, " \
-            f"{os.getcwd()}, then from the config file's folder)"
+        where = "" if model.is_absolute() else f" (looked for from {os.getcwd()}; a path in the config file also from its folder)"
         raise ConfigError(f"config key 'model': directory not found: {cfg['model']}{where}")
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
