@@ -6,7 +6,7 @@
   offset (a row-parallel shard that starts inside a block) and scale rows that change inside a tile;
 - compiled for the H200 (sm_90): each structural variant must pass ptxas without register spills, within
   an SM's shared memory, and the GEMM's k-loop must be pipelined (asynchronous copies); the GEMV's k-loop
-  must do no sums across threads.
+  must sum nothing across threads.
 
 Triton is optional (CUDA builds of torch bring it); without it these tests skip. tests/test_gpu_fp8.py runs
 the kernels on a GPU.
@@ -176,6 +176,8 @@ def _loop_body(cubin: bytes) -> list[str]:
     """The SASS instructions of the kernel's k-loop: from the target of its backward branch to the branch."""
     import re
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.is_file():
+        pytest.skip("this Triton build has no nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -189,7 +191,7 @@ def _loop_body(cubin: bytes) -> list[str]:
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("uniform", [True, False])
-def test_fp8_gemv_loop_does_no_work_across_threads(uniform):
+def test_fp8_gemv_loop_sums_nothing_across_threads(uniform):
     """The FP8 GEMV is held by instruction issue: its k-loop sums no products across threads (that took 12-48 warp
     shuffles an iteration, and barriers with them), and loads the weights 16 bytes at a time."""
     from tp_engine.kernels import fp8

@@ -36,11 +36,11 @@ if triton is not None:
         """One program: BLOCK_N output rows, KB whole k-blocks (128 columns each) per iteration; n_kb =
         ceil((K + k_shift) / 128), from the host.
 
-        Converting fp8 weights costs instructions, not bytes: the loop is held by instruction issue before
-        bandwidth. So each iteration does no work across threads. A thread sums its own 16 columns of each
-        row (one 16-byte load a row, within one k-block), scales that partial dot by the k-block's scale, and
-        keeps it; the sums over threads happen once, after the loop. UNIFORM: the program's rows share one
-        scale row (every tile of the public shapes), so one scale per thread and k-block."""
+        Converting fp8 weights costs instructions, so the loop spends as few as it can beside them: it sums
+        nothing across threads. A thread sums its own 16 columns of each row (one 16-byte load a row, within
+        one k-block), scales that partial dot by the k-block's scale, and keeps it; the sums over threads
+        happen once, after the loop. UNIFORM: the program's rows share one scale row (every tile of the
+        public shapes), so one scale per thread and k-block."""
         first = tl.program_id(0) * BLOCK_N
         rows = first + tl.arange(0, BLOCK_N)
         rmask = rows < N
@@ -177,7 +177,7 @@ def self_test(device: torch.device) -> None:
         x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
         ref = F.linear(x.float(), ref_w)
         runs = [("gemm", GEMM_CONFIGS[16][0]), ("gemm", GEMM_CONFIGS[64][-1]), ("pre", PRE_CONFIGS[0]),
-                ("dequant", None)] + ([("gemv", (8, 4, 2)), ("gemv", (16, 4, 4))] if m == 1 else [])  # both bodies
+                ("dequant", None)] + ([("gemv", GEMV_CONFIGS[0]), ("gemv", (16, 4, 4))] if m == 1 else [])  # both bodies
         for a8 in (False, True):
             for choice in runs:
                 if choice[0] in ("gemv", "dequant") and a8:  # weight-only whatever the flag
