@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -18,8 +17,6 @@ import yaml
 
 from tp_engine.generation_config import GenerationConfigError, apply_sampling_defaults
 from tp_engine.textio import canonical_json, load_yaml, read_utf8
-
-log = logging.getLogger("tp_engine")
 
 
 class ConfigError(ValueError):
