@@ -117,15 +117,22 @@ def _compile(fn, types: dict, consts: dict, warps: int, stages: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def _spills(kernel) -> str | None:
-    """'STACK:n LOCAL:n' from cuobjdump's resource usage of the cubin, if cuobjdump is at hand."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+def _cuda_tool(name: str, args: list[str], cubin: bytes) -> str | None:
+    """The output of Triton's own copy of a CUDA binary tool (cuobjdump, nvdisasm) on `cubin`; None without it."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     if not tool.is_file():
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _spills(kernel) -> str | None:
+    """'STACK:n LOCAL:n' from cuobjdump's resource usage of the cubin, if cuobjdump is at hand."""
+    out = _cuda_tool("cuobjdump", ["-res-usage"], kernel.asm["cubin"])
+    if out is None:
+        return None
     usage = next(line for line in out.splitlines() if "REG:" in line)
     return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
 
@@ -175,13 +182,10 @@ def test_kernels_compile_for_sm90():
 def _loop_body(cubin: bytes) -> list[str]:
     """The SASS instructions of the kernel's k-loop: from the target of its backward branch to the branch."""
     import re
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    if not tool.is_file():
+    out = _cuda_tool("nvdisasm", ["-c"], cubin)
+    if out is None:
         pytest.skip("this Triton build has no nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        lines = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+    lines = out.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
