@@ -11,14 +11,11 @@
 Triton is optional (CUDA builds of torch bring it); without it these tests skip. tests/test_gpu_fp8.py runs
 the kernels on a GPU.
 """
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
 
 triton = pytest.importorskip("triton")
 
+from sm90 import MAX_SHARED, compile_sm90, cuda_tool, spills  # noqa: E402
 from triton_interpreter import run_script  # noqa: E402
 
 
@@ -100,41 +97,7 @@ def test_kernels_match_reference_in_interpreter(tmp_path):
 
 # ---- compiled for sm_90 ----
 
-MAX_SHARED = 227 * 1024  # dynamic shared memory per block on H100/H200
 SIZES = ("N", "M", "n_kb")  # not specialised as multiples of 16 (K is, as in every public shape)
-
-
-def _compile(fn, types: dict, consts: dict, warps: int, stages: int):
-    """Compile for sm_90 as a launch on the public shapes would: pointers, strides and k_shift marked
-    16-divisible (the JIT's specialisation), so loads vectorise and the k-loop pipelines as on the GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in sig if name not in SIZES}
-    sig.update({name: "constexpr" for name in consts})
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
-def _cuda_tool(name: str, args: list[str], cubin: bytes) -> str | None:
-    """The output of Triton's own copy of a CUDA binary tool (cuobjdump, nvdisasm) on `cubin`; None without it."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    if not tool.is_file():
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), *args, f.name], capture_output=True, text=True, check=True).stdout
-
-
-def _spills(kernel) -> str | None:
-    """'STACK:n LOCAL:n' from cuobjdump's resource usage of the cubin, if cuobjdump is at hand."""
-    out = _cuda_tool("cuobjdump", ["-res-usage"], kernel.asm["cubin"])
-    if out is None:
-        return None
-    usage = next(line for line in out.splitlines() if "REG:" in line)
-    return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
 
 
 def _variants():
@@ -168,11 +131,11 @@ def test_kernels_compile_for_sm90():
     from tp_engine.kernels import fp8_gemm
 
     for fn, types, consts, warps, stages in _variants():
-        k = _compile(fn, types, consts, warps, stages)
+        k = compile_sm90(fn, types, consts, warps, stages, unaligned=SIZES)
         what = f"{fn.__name__} {consts} warps={warps} stages={stages}"
         assert k.metadata.shared <= MAX_SHARED, f"{what}: {k.metadata.shared} bytes of shared memory"
-        spills = _spills(k)
-        assert spills in (None, "STACK:0 LOCAL:0"), f"{what}: {spills}"
+        used = spills(k)
+        assert used in (None, "STACK:0 LOCAL:0"), f"{what}: {used}"
         if fn is fp8_gemm._fp8_gemm_kernel:
             assert "async_copy" in k.asm["ttgir"], f"{what}: the k-loop is not pipelined"
             if consts["SWAP"] and consts["BLOCK_N"] >= 64:  # the weight rows fill Hopper's wgmma
@@ -182,7 +145,7 @@ def test_kernels_compile_for_sm90():
 def _loop_body(cubin: bytes) -> list[str]:
     """The SASS instructions of the kernel's k-loop: from the target of its backward branch to the branch."""
     import re
-    out = _cuda_tool("nvdisasm", ["-c"], cubin)
+    out = cuda_tool("nvdisasm", ["-c"], cubin)
     if out is None:
         pytest.skip("this Triton build has no nvdisasm")
     lines = out.splitlines()
@@ -202,7 +165,8 @@ def test_fp8_gemv_loop_sums_nothing_across_threads(uniform):
 
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
     for bn, kb, warps in fp8.GEMV_CONFIGS:
-        k = _compile(fp8._fp8_gemv_kernel, types, dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PDL=True), warps, 3)
+        consts = dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PDL=True)
+        k = compile_sm90(fp8._fp8_gemv_kernel, types, consts, warps, 3, unaligned=SIZES)
         body = _loop_body(k.asm["cubin"])
         ops = [line.split()[0] if not line.startswith("@") else line.split()[1] for line in body]
         what = f"tile {(bn, kb, warps)}, uniform={uniform}"

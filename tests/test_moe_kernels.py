@@ -9,15 +9,11 @@
 Triton is an optional dependency (it comes with CUDA builds of torch; .ci/run installs it on the CPU); without
 it these tests skip. The GPU itself is exercised by tests/test_gpu_moe.py.
 """
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
 
 triton = pytest.importorskip("triton")
 
+from sm90 import MAX_SHARED, compile_sm90, spills  # noqa: E402
 from triton_interpreter import run_script  # noqa: E402
 
 
@@ -131,35 +127,7 @@ def test_kernels_match_reference_in_interpreter(tmp_path):
 
 # ---- compiled for sm_90 ----
 
-MAX_SHARED = 227 * 1024  # dynamic shared memory per block on H100/H200
-
-
-def _compile(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3):
-    """Compile for sm_90 as a launch would: pointers and sizes marked 16-divisible (the JIT's specialisation
-    for the shapes the engine runs), so loads vectorise and the GEMM loops pipeline as on the GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, t in sig.items()
-             if t.startswith("*") or name not in ("S", "E", "num_blocks", "num_rows")}
-    sig.update({name: "constexpr" for name in consts})
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
-def _spills(kernel) -> str | None:
-    """The register spills ptxas reports for the kernel's cubin ('STACK:n LOCAL:n'), if cuobjdump is at hand."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.is_file() and shutil.which("cuobjdump") is None:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([str(tool) if tool.is_file() else "cuobjdump", "-res-usage", f.name],
-                             capture_output=True, text=True).stdout
-    usage = next(line for line in out.splitlines() if "REG:" in line)
-    return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
+SIZES = ("S", "E", "num_blocks", "num_rows")  # not specialised as multiples of 16
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -189,10 +157,10 @@ def test_kernels_compile_for_sm90():
                         (g._down_kernel, tile, cfg.num_warps, cfg.num_stages)]
     fp8_types = {**types, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32"}
     for fn, consts, warps, stages in kernels:
-        k = _compile(fn, fp8_types if consts.get("FP8") else types, consts, warps, stages)
+        k = compile_sm90(fn, fp8_types if consts.get("FP8") else types, consts, warps, stages, unaligned=SIZES)
         what = f"{fn.__name__} {consts}"
         assert k.metadata.shared <= MAX_SHARED, f"{what}: {k.metadata.shared} bytes of shared memory"
-        spills = _spills(k)
-        assert spills in (None, "STACK:0 LOCAL:0"), f"{what}: {spills}"
+        used = spills(k)
+        assert used in (None, "STACK:0 LOCAL:0"), f"{what}: {used}"
         if fn in (g._gate_up_kernel, g._down_kernel):  # the K loop must pipeline (asynchronous copies)
             assert "async_copy" in k.asm["ttgir"], what
