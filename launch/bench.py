@@ -790,7 +790,7 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
     res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
     res["cuda_graph"] = engine.graphs is not None
-    from tp_engine.kernels import fp8 as fp8_kernels, fused_ops, gemv
+    from tp_engine.kernels import fp8 as fp8_kernels, fused_ops, gemv, mlp
     res["fused_triton_kernels"] = fused_ops(engine.device) is not None
     res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
     res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
@@ -810,6 +810,7 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_n_samples(engine, args, res)
     if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
+        res["mlp_gate_up"] = {"x".join(map(str, k[0])): str(v) for k, v in mlp._CHOICE.items()}  # at one token
         if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket
             res["fp8_kernels"] = {f"{'x'.join(map(str, k[0]))}{f' shift {k[1]}' if k[1] else ''} m<={k[3]}"
                                   f"{' w8a8' if k[4] else ''}": str(v) for k, v in fp8_kernels._CHOICE.items()}
