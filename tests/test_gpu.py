@@ -302,6 +302,23 @@ def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model, hf_ref):
     assert_parity(hf_ref, PARITY_PROMPTS, ours, hf_greedy(hf_model, PARITY_PROMPTS, 12))
 
 
+def test_graphs_are_captured_with_the_garbage_collector_off(tiny_ckpt, monkeypatch):
+    """An engine dropped in a reference cycle is freed when the garbage collector runs; freeing its CUDA graphs
+    during another engine's capture ended that capture with an error (seen once as a failed start-up of the
+    engine built after another's). Every capture, decode graphs and prompt-step pieces, now runs with the
+    collector off, after a collection; it is on again afterwards."""
+    needs_flashinfer()
+    begin, seen = torch.cuda.CUDAGraph.capture_begin, []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, *a, **k: seen.append(gc.isenabled()) or begin(self, *a, **k))
+    m = llm(tiny_ckpt)
+    assert m.engine.graphs is not None and m.engine.pieces is not None
+    assert len(seen) > 2 and not any(seen), seen
+    assert gc.isenabled()
+    del m
+    torch.cuda.empty_cache()
+
+
 def test_kv_pool_sized_from_free_memory(tiny_ckpt, caplog):
     needs_flashinfer()
     import logging

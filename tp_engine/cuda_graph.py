@@ -17,6 +17,8 @@ measured on.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -38,6 +40,21 @@ def bucket_sizes(max_batch: int) -> list[int]:
     while sizes[-1] < max_batch:
         sizes.append(sizes[-1] + 32)
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Collect garbage now, and not while CUDA graphs are captured. An engine dropped in a reference cycle is freed
+    when the collector runs; freeing its graphs during another engine's capture ends that capture with an error
+    (torch.cuda.graph no longer collects before a capture)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GraphRunner:
@@ -97,6 +114,10 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        with no_collection():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         pool = None
         stream = torch.cuda.Stream(self.engine.device)
         for key in sorted(self.batches, reverse=True):  # largest first: the smaller graphs reuse its memory pool

@@ -29,6 +29,7 @@ import torch
 
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
+from tp_engine.cuda_graph import no_collection
 from tp_engine.kernels import decode_attention
 from tp_engine.kv_cache import pages_for
 
@@ -104,6 +105,10 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:
+        with no_collection():
+            self._capture_all(device)
+
+    def _capture_all(self, device: torch.device) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for T in reversed(self.buckets):  # the largest first: the others reuse its memory
