@@ -115,3 +115,39 @@ def test_qk_norm_rope_store_equals_the_torch_layers_in_interpreter(tmp_path):
     layers bit for bit (RMSNorm, RoPE, an index_put into the page), and the decode kernel then attends as
     float64 attention over what the torch layers computed."""
     run_script(QK_SCRIPT, tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_decode_kernel_reads_the_page_table_and_prefetches_before_waiting():
+    """With programmatic dependent launch the kernel does all it can before it waits for the kernel before it
+    (which writes q and the newest token's K and V): it reads its page table and starts the first tile's K and V
+    rows into the L2 cache. Compiled for sm_90 on Qwen3-8B's heads: the prefetches come before the wait, and
+    nothing spills."""
+    from sm90 import compile_sm90, spills
+
+    from tp_engine.kernels import decode_attention as da
+
+    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "indptr_ptr": "*i32", "last_ptr": "*i32", "ids_ptr": "*i32",
+             "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32"}
+    consts = dict(H=32, KVH=8, G=4, GP=16, D=128, PAGE=16, SPLITS=32, BLOCK_T=128, LINES=2, PDL=True)
+    k = compile_sm90(da._decode_kernel, types, consts, da.WARPS, da.STAGES)
+    ptx = k.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.count("prefetch.global.L2", 0, wait) >= 2, "no prefetch before the wait"
+    assert ptx.count("ld.global", 0, wait) >= 4, "the page table is read after the wait"
+    assert spills(k) in (None, "STACK:0 LOCAL:0")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_qk_norm_rope_store_reads_its_norm_weights_before_waiting():
+    """The kernel before attention loads both norm weights (no kernel writes them) before its wait for the QKV
+    matmul, as the matmuls load their first tile. Compiled for sm_90: four loads come before the wait."""
+    from sm90 import compile_sm90
+
+    from tp_engine.kernels import norm
+
+    types = {name: "*bf16" for name in ("qkv_ptr", "q_out_ptr", "qw_ptr", "kw_ptr", "cache_ptr")}
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", rows_ptr="*i64", eps="fp32", inv_d="fp32")
+    k = compile_sm90(norm._qk_norm_rope_store_kernel, types, dict(H=32, KVH=8, D=128, PAGE=16, PDL=True), 1, 1)
+    ptx = k.asm["ptx"]
+    assert ptx.count("ld.global", 0, ptx.index("griddepcontrol.wait")) == 4

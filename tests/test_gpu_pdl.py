@@ -117,6 +117,23 @@ def test_qk_norm_rope_store_waits():
                                                       page), cache], [qkv, pos])
 
 
+def test_decode_attention_waits():
+    """The graphs' decode attention reads its page table (filled before the step) and starts its K and V rows into
+    the L2 cache before its wait; q and the cache, which the kernel before writes (the newest token's K and V), it
+    reads after. 200 tokens: two programs per KV head and their merge."""
+    from tp_engine.kernels import decode_attention as da
+    g = torch.Generator(device=DEV).manual_seed(4)
+    heads, kv, d, page, n = 32, 8, 128, 16, 200
+    pages = -(-n // page)
+    cache = torch.randn(pages + 1, 2, page, kv, d, device=DEV, generator=g).to(BF16)
+    ids = torch.arange(pages, 0, -1, dtype=torch.int32, device=DEV)  # out of order, page 0 unused
+    indptr = torch.tensor([0, pages], dtype=torch.int32, device=DEV)
+    last = torch.tensor([n - (pages - 1) * page], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, heads, d, device=DEV, generator=g).to(BF16)
+    dec = da.PagedDecode(indptr, last, ids, heads, kv, d, page)
+    reads_late_input(lambda: [dec.run(q, cache)], [q, cache])
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fp8_and_moe_kernels_wait(fp8):
     from tp_engine.kernels import fp8 as fp8_kernels

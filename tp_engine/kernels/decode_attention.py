@@ -26,21 +26,32 @@ from tp_engine.kernels import pdl_args, triton
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _pdl_wait
+    from tp_engine.kernels import _pdl_wait, _prefetch_l2
 
     @triton.jit
     def _decode_kernel(q_ptr, cache_ptr, indptr_ptr, last_ptr, ids_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
                        scale_log2, min_chunk, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                        GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_T: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        _pdl_wait(PDL)  # q comes from the kernel before
+        # Before the wait: the page table, copied from the host before the graph runs, and the first tile's K
+        # and V rows into the L2 cache (LINES 128-byte lines a row). A prefetch gives the kernel nothing: it reads
+        # the rows after the wait, the newest token's, which the kernel before writes, included.
         p0 = tl.load(indptr_ptr + b)
         length = (tl.load(indptr_ptr + b + 1) - p0 - 1) * PAGE + tl.load(last_ptr + b)
         chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T)
         n_active = tl.cdiv(length, chunk)
+        if PDL:
+            if sp < n_active:
+                t = tl.minimum(sp * chunk + tl.arange(0, BLOCK_T), length - 1)  # valid rows only
+                page = tl.load(ids_ptr + p0 + t // PAGE).to(tl.int64)
+                k_at = cache_ptr + ((page * 2 * PAGE + t % PAGE) * KVH + h) * D
+                lines = k_at[:, None] + tl.arange(0, LINES)[None, :] * (D // LINES)
+                _prefetch_l2(lines)
+                _prefetch_l2(lines + PAGE * KVH * D)
+        _pdl_wait(PDL)  # q (and the newest token's K and V) come from the kernel before
         if sp < n_active:
             g = tl.arange(0, GP)
             gmask = g < G
@@ -58,13 +69,13 @@ if triton is not None:
                 page = tl.load(ids_ptr + p0 + t // PAGE, mask=tmask, other=0).to(tl.int64)
                 k_at = cache_ptr + ((page * 2 * PAGE + t % PAGE) * KVH + h) * D  # [pages, 2, PAGE, KVH, D]
                 k = tl.load(k_at[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+                v = tl.load(k_at[:, None] + PAGE * KVH * D + d[None, :], mask=tmask[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * scale_log2
                 s = tl.where(tmask[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 alpha = tl.exp2(m - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l = l * alpha + tl.sum(p, axis=1)
-                v = tl.load(k_at[:, None] + PAGE * KVH * D + d[None, :], mask=tmask[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
             o_at = out_ptr + heads[:, None] * D + d[None, :]
@@ -110,7 +121,9 @@ WARPS, STAGES = 4, 3
 class PagedDecode:
     """Decode attention of up to `batch` requests (one query token each) with the page table in the given
     device buffers: indptr [batch + 1], last page lengths [batch], page ids. `run` launches one kernel
-    (capturable); the buffers are read when it runs, so refilling them before a replay is the plan."""
+    (capturable); the buffers are read when it runs, so refilling them before a replay is the plan. They are
+    read before the kernel waits for the one ahead of it (programmatic dependent launch): a host copy fills
+    them, never the kernel just before `run` on the stream."""
 
     def __init__(self, indptr: torch.Tensor, last: torch.Tensor, ids: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int, splits: int | None = None,
@@ -139,5 +152,6 @@ class PagedDecode:
         _decode_kernel[(self.batch, self.kvh, self.splits)](
             q, cache, self.indptr, self.last, self.ids, out, self.part, self.ml, self.count, self.scale_log2,
             self.min_chunk, H=self.h, KVH=self.kvh, G=self.g, GP=self.gp, D=self.d, PAGE=self.page, SPLITS=self.splits,
-            BLOCK_T=self.block_t, num_warps=WARPS, num_stages=STAGES, **pdl_args(q.device))
+            BLOCK_T=self.block_t, LINES=max(1, self.d * cache.element_size() // 128), num_warps=WARPS,
+            num_stages=STAGES, **pdl_args(q.device))
         return out

@@ -36,22 +36,19 @@ if triton is not None:
                                    rows_ptr, cache_ptr, eps, inv_d,
                                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                                    PDL: tl.constexpr):
-        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         hd = tl.program_id(1)
         HALF: tl.constexpr = D // 2
         i = tl.arange(0, HALF)
+        is_q = hd < H  # the weights, which no kernel writes, before the wait
+        w1 = tl.where(is_q, tl.load(qw_ptr + i), tl.load(kw_ptr + i)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i), tl.load(kw_ptr + HALF + i)).to(tl.float32)
+        _pdl_wait(PDL)
         src = qkv_ptr + t * qkv_stride + hd * D
         a = tl.load(src + i)
         b = tl.load(src + HALF + i)
         DT = a.dtype
         if hd < H + KVH:
-            if hd < H:
-                w1 = tl.load(qw_ptr + i).to(tl.float32)
-                w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
-            else:
-                w1 = tl.load(kw_ptr + i).to(tl.float32)
-                w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
             x1 = a.to(tl.float32)
             x2 = b.to(tl.float32)
             rstd = _rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * inv_d + eps)
