@@ -138,6 +138,36 @@ def test_outputs_do_not_share_lists_with_the_caller_or_each_other(tmp_path):
     llm.shutdown()
 
 
+CYCLE = """
+import gc, sys, weakref
+sys.path.insert(0, {root!r})
+import tp_engine.llm as L
+first = L.LLM(model={model!r}, device="cpu")
+first.engine.me = first.engine  # a reference cycle: only the collector frees it
+dropped = weakref.ref(first.engine)
+seen = []
+make = L.Engine
+L.Engine = lambda *a, **k: seen.append(dropped() is not None) or make(*a, **k)
+gc.disable()  # no collection but the engine's own
+del first
+assert dropped() is not None
+second = L.LLM(model={model!r}, device="cpu")
+print("alive when the next engine started:", seen)
+second.shutdown()
+"""
+
+
+def test_a_dropped_llm_is_freed_before_the_next_one_starts(tmp_path):
+    """An LLM the caller drops may keep its memory (on a GPU: weights, KV cache, CUDA graphs) in reference cycles
+    until the garbage collector runs. The next LLM then sized its KV pool without that memory, and its CUDA-graph
+    capture failed when the collector freed the old graphs in the middle of it. A new LLM collects first."""
+    model = str(make_checkpoint(tmp_path / "m"))
+    proc = subprocess.run([sys.executable, "-c", CYCLE.format(root=str(ROOT), model=model)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "alive when the next engine started: [False]" in proc.stdout, proc.stdout
+
+
 BREAKS = """
 import json, os, sys
 sys.path.insert(0, {root!r})

@@ -64,6 +64,9 @@ class LLM:
             options["model"] = model
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
+        # An engine dropped by the caller keeps its memory (weights, KV cache, CUDA graphs) in reference cycles
+        # until the collector runs: free it before this one loads and sizes its KV pool from the free memory.
+        gc.collect()
         self.engine = Engine(self.cfg, preflight)
         _OPEN[0] += 1
         self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)  # see shutdown()
