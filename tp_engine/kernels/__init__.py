@@ -180,11 +180,11 @@ def _warps(block: int) -> int:
 
 # Programmatic dependent launch (sm_90 and later): a kernel of the decode path may start while the one before
 # it on the stream finishes. It first loads what no kernel writes (its weights; the graphs' decode attention
-# also its page table, copied from the host before the graph runs) and may prefetch into the L2 cache what
-# it will read (a prefetch gives it nothing), then `_pdl_wait` blocks until the kernel before it has finished
+# also its page table, copied from the host before the graph runs) and may prefetch what it will read into the
+# L2 cache (a prefetch only fills the cache), then `_pdl_wait` blocks until the kernel before it has finished
 # and its writes are visible; it reads no activation and writes nothing before that, so results are the same
-# bits with it on or off. The GPU sits idle less between the ~10 kernels
-# of a layer, and each matmul's first loads overlap the tail of the kernel before it.
+# bits with it on or off. The GPU sits idle less between the ~10 kernels of a layer, and each matmul's first
+# loads overlap the tail of the kernel before it.
 # launch/bench.py --no-pdl turns it off, to measure.
 PDL = True
 

@@ -37,8 +37,8 @@ if triton is not None:
         h = tl.program_id(1)
         sp = tl.program_id(2)
         # Before the wait: the page table, copied from the host before the graph runs, and the first tile's K
-        # and V rows into the L2 cache (LINES 128-byte lines a row). A prefetch gives the kernel nothing: it reads
-        # the rows after the wait, the newest token's, which the kernel before writes, included.
+        # and V rows into the L2 cache (LINES 128-byte lines a row). A prefetch only fills the cache: the kernel
+        # reads the rows after the wait, the newest token's, which the kernel before writes, included.
         p0 = tl.load(indptr_ptr + b)
         length = (tl.load(indptr_ptr + b + 1) - p0 - 1) * PAGE + tl.load(last_ptr + b)
         chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T)
