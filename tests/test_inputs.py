@@ -458,6 +458,43 @@ def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path,
         check_target(str(tmp_path / ("r" * (limit - 5) + ".jsonl")), {}, str(DEMO))
 
 
+def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_path, monkeypatch):
+    """Every write goes through a temporary file and a rename in the output's folder: a writable output in a folder
+    the user may not write in was accepted, and the run failed at its first result with a traceback."""
+    from tp_engine import output_file
+    from tp_engine.output_file import check_target
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out = ro / "out.jsonl"
+    out.write_text("kept\n")
+    real = os.access  # as a user other than root sees a read-only folder
+    monkeypatch.setattr(output_file.os, "access", lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
+    with pytest.raises(ConfigError, match=f"^output {out}: no permission to write in its folder {ro}$"):
+        check_target(str(out), {}, str(DEMO))
+    deeper = ro / "a" / "b" / "out.jsonl"
+    with pytest.raises(ConfigError, match=f"^output {deeper}: no permission to create its folder {deeper.parent} "
+                                          f"in {ro}$"):
+        check_target(str(deeper), {}, str(DEMO))
+    assert out.read_text() == "kept\n" and not (ro / "a").exists()
+
+
+def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
+    """When the first result's write failed, the message on stopping said that finished results were in the
+    output, which still held the earlier run's lines only."""
+    from tp_engine import results
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "from": "an earlier run"}\n')
+    sink = results.ResultSink(out, str(out), {"model": "m"})
+
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(results, "write_settings", refuse)
+    with pytest.raises(PermissionError):
+        sink.add({"index": 0, "sample": 0, "output_token_ids": [1]})
+    assert sink.on_stop() == f"no result had finished; {out} was left as it was"
+    assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+
+
 def test_output_under_a_file_names_the_output(tmp_path):
     from tp_engine.output_file import check_target
     (tmp_path / "a_file").write_text("x")

@@ -145,6 +145,19 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
     assert not (tmp_path / "out.jsonl.lock").exists()
 
 
+def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
+    """The folders of an output path that did not exist were made before the model was checked, and stayed when
+    the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
+    (tmp_path / "runs").mkdir()
+    out = tmp_path / "runs" / "new" / "deeper" / "out.jsonl"
+    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
+    refused(proc, "max_model_len")
+    assert list((tmp_path / "runs").iterdir()) == []
+    proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, read_output=False)  # a run that writes keeps them
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == len(PROMPTS) and not out.with_name("out.jsonl.lock").exists()
+
+
 # ---- one run at a time, and never after torchrun ----
 
 def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):

@@ -17,7 +17,8 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
 
     Refused: a path that ends in a slash, a file the run reads (`inputs`: what it is -> path), anything inside
     the model directory, an existing path that is not a regular file (a device, a FIFO, a directory) or that
-    this user may not write, and a name too long for the files the run writes beside it."""
+    this user may not write, a folder this user may not write in (or create), and a name too long for the
+    files the run writes beside it. Nothing is created here: a missing folder is made with the lock."""
     if output.endswith(("/", os.sep)):
         raise ConfigError(f"output {output} ends in '/': it must name a file")
     target = Path(os.path.realpath(output))
@@ -35,12 +36,14 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
                               + "; it must be a regular file (or a symlink to one)")
         if not os.access(target, os.W_OK):  # it would be replaced, then its appends refused
             raise ConfigError(f"output {output}: no permission to write {target}")
+    folder = next(p for p in target.parents if os.path.lexists(p))  # the folder, or where its path starts
+    if not folder.is_dir():
+        raise ConfigError(f"output {output}: cannot create its folder {target.parent}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):  # every write goes through a temporary file and a rename there
+        what = "write in its folder" if folder == target.parent else f"create its folder {target.parent} in"
+        raise ConfigError(f"output {output}: no permission to {what} {folder}")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file where a folder should be, no permission, a read-only file system
-        raise ConfigError(f"output {output}: cannot create its folder {target.parent}: {e.strerror}") from None
-    try:
-        name_max = os.pathconf(target.parent, "PC_NAME_MAX")
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
     longest = len(os.fsencode(_temp_prefix(target.name + SETTINGS_SUFFIX))) + 12  # mkstemp's 8 letters + ".tmp"
@@ -64,6 +67,12 @@ class OutputLock:
 
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
+        # the folders made for the output, innermost first: a run refused at start-up takes them away again
+        self.made = [p for p in target.parents if not os.path.lexists(p)]
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only file system, say
+            raise ConfigError(f"output {shown}: cannot create its folder {target.parent}: {e.strerror}") from None
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -88,10 +97,19 @@ class OutputLock:
         self.fd: int | None = fd
 
     def release(self) -> None:
+        """Unlock, and remove the lock file and the folders made for the output that are still empty."""
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
+            try:
+                self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
+            except OSError:  # the folder no longer writable: a lock file left behind is harmless
+                pass
             os.close(self.fd)
             self.fd = None
+            for folder in self.made:
+                try:
+                    folder.rmdir()
+                except OSError:  # it holds the results, or something else
+                    break
 
 
 Span = tuple[int, int]  # a line of a file: its offset and its length in bytes, newline not included

@@ -201,9 +201,9 @@ class ResultSink:
 
     def add(self, out: dict) -> None:
         line = json.dumps({**out, "run": self.run})
-        self.new += 1
         if self.target is None:
             self.lines[key(out)] = line
+            self.new += 1
             return
         data = line.encode("utf-8")
         if self.file is None:  # the first result of this run: only now may the old file go
@@ -218,6 +218,7 @@ class ResultSink:
             self.spans[key(out)] = (self.file.tell(), len(data))
             self.file.write(data + b"\n")
             self.file.flush()
+        self.new += 1  # written: a result that could not be is not counted as kept
 
     def close(self) -> None:
         if self.target is not None:
