@@ -478,9 +478,33 @@ def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_
     assert out.read_text() == "kept\n" and not (ro / "a").exists()
 
 
+def test_an_output_lock_refused_takes_away_only_the_folders_it_made(tmp_path, monkeypatch):
+    """The folders made for an output go again when its lock cannot be taken; one that another process made
+    in the meantime stays."""
+    from tp_engine import output_file
+    target = tmp_path / "a" / "b" / "c" / "out.jsonl"
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def mkdir(path, *args):
+        real_mkdir(path, *args)
+        if Path(path) == tmp_path / "a" / "b":  # another process made it first
+            raise FileExistsError(17, "File exists")
+
+    def refuse_lock(path, *args):
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args)
+    monkeypatch.setattr(output_file.os, "mkdir", mkdir)
+    monkeypatch.setattr(output_file.os, "open", refuse_lock)
+    with pytest.raises(ConfigError, match="cannot create its lock file"):
+        output_file.OutputLock(target, str(target))
+    monkeypatch.undo()
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "c").exists()
+
+
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
     """When the first result's write failed, the message on stopping said that finished results were in the
-    output, which still held the earlier run's lines only."""
+    output, which still held the earlier run's lines only; a result is counted as kept once it is in the file."""
     from tp_engine import results
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
@@ -493,6 +517,15 @@ def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, mon
         sink.add({"index": 0, "sample": 0, "output_token_ids": [1]})
     assert sink.on_stop() == f"no result had finished; {out} was left as it was"
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
+    # the file replaced with the first result, and then no more writes: that result is kept, and said to be
+    monkeypatch.undo()
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: refuse() if mode == "ab"
+                        else real_open(self, mode, *a, **k))
+    with pytest.raises(PermissionError):
+        sink.add({"index": 0, "sample": 0, "output_token_ids": [1]})
+    assert sink.on_stop() == f"finished results are in {out}; run again with resume: true to continue"
+    assert json.loads(out.read_text())["output_token_ids"] == [1]
 
 
 def test_output_under_a_file_names_the_output(tmp_path):

@@ -67,12 +67,28 @@ class OutputLock:
 
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
-        # the folders made for the output, innermost first: a run refused at start-up takes them away again
-        self.made = [p for p in target.parents if not os.path.lexists(p)]
+        self.made: list[Path] = []  # the folders this run made for the output, innermost first
+        self.fd: int | None = None
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a read-only file system, say
-            raise ConfigError(f"output {shown}: cannot create its folder {target.parent}: {e.strerror}") from None
+            self._make_folders(target, shown)
+            self.fd = self._lock(shown)
+        except BaseException:  # refused: the folders made go again
+            self._remove_folders()
+            raise
+
+    def _make_folders(self, target: Path, shown: str) -> None:
+        for folder in reversed(target.parents):  # outermost first
+            if os.path.lexists(folder):
+                continue
+            try:
+                os.mkdir(folder)
+            except FileExistsError:  # made by another process meanwhile: not this run's to remove
+                continue
+            except OSError as e:  # a read-only file system, a full disk
+                raise ConfigError(f"output {shown}: cannot create its folder {folder}: {e.strerror}") from None
+            self.made.insert(0, folder)
+
+    def _lock(self, shown: str) -> int:
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -94,10 +110,10 @@ class OutputLock:
             os.close(fd)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd: int | None = fd
+        return fd
 
     def release(self) -> None:
-        """Unlock, and remove the lock file and the folders made for the output that are still empty."""
+        """Unlock, and remove the lock file and the folders this run made that are still empty."""
         if self.fd is not None:
             try:
                 self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
@@ -105,11 +121,15 @@ class OutputLock:
                 pass
             os.close(self.fd)
             self.fd = None
-            for folder in self.made:
-                try:
-                    folder.rmdir()
-                except OSError:  # it holds the results, or something else
-                    break
+            self._remove_folders()
+
+    def _remove_folders(self) -> None:
+        for folder in self.made:
+            try:
+                folder.rmdir()
+            except OSError:  # it holds the results, or something else
+                break
+        self.made = []
 
 
 Span = tuple[int, int]  # a line of a file: its offset and its length in bytes, newline not included

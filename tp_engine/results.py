@@ -211,6 +211,7 @@ class ResultSink:
             kept = sorted(self.done_keys)
             spans = [self.spans[k] for k in kept] + [span for _, span in self.retry]
             starts = rewrite_lines(self.target, spans, data + b"\n")
+            self.new += 1  # in the file from here on
             self.spans = {k: (start, length) for k, start, (_, length) in zip(kept, starts, spans)}
             self.file = self.target.open("ab")
             self.spans[key(out)] = (self.file.tell() - len(data) - 1, len(data))
@@ -218,7 +219,7 @@ class ResultSink:
             self.spans[key(out)] = (self.file.tell(), len(data))
             self.file.write(data + b"\n")
             self.file.flush()
-        self.new += 1  # written: a result that could not be is not counted as kept
+            self.new += 1  # written: a result that could not be is not counted as kept
 
     def close(self) -> None:
         if self.target is not None:
