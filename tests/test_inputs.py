@@ -478,6 +478,24 @@ def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_
     assert out.read_text() == "kept\n" and not (ro / "a").exists()
 
 
+def test_an_output_of_another_user_in_a_sticky_folder_is_refused_at_start_up(tmp_path, monkeypatch):
+    """In a sticky folder such as /tmp only a file's owner may replace it: another user's output (or its
+    .run.json), though writable, was accepted, and the run failed at its first result."""
+    from tp_engine import output_file
+    from tp_engine.output_file import check_target
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    out = folder / "out.jsonl"
+    check_target(str(out), {}, str(DEMO))  # a new file: the run makes it, and owns it
+    out.write_text("theirs\n")
+    monkeypatch.setattr(output_file.os, "geteuid", lambda: os.stat(out).st_uid + 1)  # as another user
+    with pytest.raises(ConfigError, match=f"^output {out}: {out} belongs to another user, and in {folder} \\(sticky\\)"):
+        check_target(str(out), {}, str(DEMO))
+    folder.chmod(0o777)
+    check_target(str(out), {}, str(DEMO))
+
+
 def test_an_output_lock_refused_takes_away_only_the_folders_it_made(tmp_path, monkeypatch):
     """The folders made for an output go again when its lock cannot be taken; one that another process made
     in the meantime stays."""

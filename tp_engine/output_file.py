@@ -42,6 +42,12 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
     if not os.access(folder, os.W_OK | os.X_OK):  # every write goes through a temporary file and a rename there
         what = "write in its folder" if folder == target.parent else f"create its folder {target.parent} in"
         raise ConfigError(f"output {output}: no permission to {what} {folder}")
+    me, info = os.geteuid(), folder.stat()
+    if info.st_mode & stat.S_ISVTX and me not in (0, info.st_uid):  # a sticky folder such as /tmp
+        for path in (target, target.with_name(target.name + SETTINGS_SUFFIX)):
+            if os.path.lexists(path) and os.lstat(path).st_uid != me:
+                raise ConfigError(f"output {output}: {path} belongs to another user, and in {folder} (sticky) only "
+                                  "its owner may replace it")
     try:
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
