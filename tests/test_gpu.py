@@ -306,7 +306,7 @@ def test_graphs_are_captured_with_the_garbage_collector_off(tiny_ckpt, monkeypat
     """An engine dropped in a reference cycle is freed when the garbage collector runs; freeing its CUDA graphs
     during another engine's capture ended that capture with an error (seen once as a failed start-up of the
     engine built after another's). Every capture, decode graphs and prompt-step pieces, now runs with the
-    collector off, after a collection; it is on again afterwards."""
+    collector off; it is on again afterwards."""
     needs_flashinfer()
     begin, seen = torch.cuda.CUDAGraph.capture_begin, []
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",

@@ -44,10 +44,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 @contextlib.contextmanager
 def no_collection():
-    """Collect garbage now, and not while CUDA graphs are captured. An engine dropped in a reference cycle is freed
-    when the collector runs; freeing its graphs during another engine's capture ends that capture with an error
-    (torch.cuda.graph no longer collects before a capture)."""
-    gc.collect()
+    """No garbage collection while CUDA graphs are captured. An engine dropped in a reference cycle is freed when
+    the collector runs; freeing its graphs during another engine's capture ends that capture with an error
+    (a new LLM collects before it starts, llm.py)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
