@@ -158,6 +158,38 @@ def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
     assert len(out.read_text().splitlines()) == len(PROMPTS) and not out.with_name("out.jsonl.lock").exists()
 
 
+# rank 0, at its first forward (the weights are in, no result has finished): a signal, or a failure
+STOPPED_EARLY = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from tp_engine import engine
+def forward(self, *args):
+    {action}
+engine.Engine.forward = forward
+from tp_engine.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("action", ["os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)",
+                                    "raise RuntimeError('injected fault')"])
+def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tmp_path, action):
+    """A signal or a failure ended the run at once, with the lock file and the folders made for the output left
+    behind, although no result had been written."""
+    (tmp_path / "runs").mkdir()
+    out = tmp_path / "runs" / "new" / "out.jsonl"
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_EARLY.format(root=str(ROOT), action=action))
+    proc = start_job(base(ckpt, output=str(out)), tmp_path, nproc=1, script=script)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_job(proc)
+    assert proc.returncode != 0
+    assert ("stopped by SIGTERM: no result had finished" if "kill" in action else "injected fault") in err, err[-3000:]
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
 # ---- one run at a time, and never after torchrun ----
 
 def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):

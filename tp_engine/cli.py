@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if rank == 0 and _SINK is not None:  # what finished is kept: say where, as a signal would
             message += f"; {_SINK.on_stop()}"
+        release_output()
         fail(rank, f"rank {rank}: {message}", 1, always=True)
         sys.stderr.flush()
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
@@ -136,19 +137,25 @@ class Preflight:
 
 
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
+_PREFLIGHT: Preflight | None = None  # rank 0's output lock, for a run that ends early
 _LATE: list[int] = []  # a signal that came while rank 0 printed the results: it exits once they are out
+
+
+def release_output() -> None:
+    """A run ending early (a signal, a failure) still removes its lock file and the empty folders it made."""
+    if _PREFLIGHT is not None and _PREFLIGHT.lock is not None:
+        _PREFLIGHT.lock.release()
 
 
 def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, quiet: bool = False) -> int:
     from tp_engine.llm import LLM  # torch is imported only once the config is known to be good
 
-    global _SINK
-    preflight = Preflight(cfg, prompts, config_path)
+    global _SINK, _PREFLIGHT
+    preflight = _PREFLIGHT = Preflight(cfg, prompts, config_path)
     try:
         llm = LLM(**cfg, preflight=preflight if rank == 0 else None)
     except BaseException:  # refused at start-up: nothing was written, and the lock goes too
-        if preflight.lock is not None:
-            preflight.lock.release()
+        release_output()
         raise
     if not llm.rank0:
         llm.generate(prompts)
@@ -197,8 +204,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         print(f"\nstopped by {signal.Signals(_LATE[0]).name} after the results were printed", file=sys.stderr)
         sys.stderr.flush()
         os._exit(128 + _LATE[0])
-    if preflight.lock is not None:
-        preflight.lock.release()
+    release_output()
     summary = {**tally, "seconds": round(seconds, 3),
                "tokens_per_s": round(tally["output_tokens"] / max(seconds, 1e-9), 1)}
     if llm.engine.num_preempted:
@@ -267,6 +273,7 @@ def install_signal_handlers(rank: int) -> None:
         elif rank == 0:
             where = _SINK.on_stop() if _SINK is not None else "no result had finished"
             print(f"\nstopped by {signal.Signals(signum).name}: {where}", file=sys.stderr)
+        release_output()
         sys.stderr.flush()
         os._exit(128 + signum)
 
