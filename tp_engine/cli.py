@@ -142,7 +142,8 @@ _LATE: list[int] = []  # a signal that came while rank 0 printed the results: it
 
 
 def release_output() -> None:
-    """A run ending early (a signal, a failure) still removes its lock file and the empty folders it made."""
+    """Remove the output's lock file and the empty folders this run made: at the end, at a refusal, at a signal
+    or a failure (the lock itself goes with the process, but its file would stay)."""
     if _PREFLIGHT is not None and _PREFLIGHT.lock is not None:
         _PREFLIGHT.lock.release()
 
