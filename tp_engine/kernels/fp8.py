@@ -61,16 +61,18 @@ if triton is not None:
         for b0 in range(0, n_kb, KB):
             cols = b0 * 128 - k_shift + kk
             cmask = (cols >= 0) & (cols < K)
-            x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            # each weight is read once per step: keep it from pushing activations out of the L2 cache
+            # The weights and their scales first: the activations meet them through shared memory, behind a
+            # barrier, and a load after that barrier would wait for x's trip to the L2 cache, every iteration.
+            # Each weight is read once per step: evict_first keeps it from pushing activations out of the L2.
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            dots = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, G, 16)), axis=2)
+                        eviction_policy="evict_first")
             b = b0 + g // 8
             if UNIFORM:
-                acc += dots * tl.load(s_rows + b, mask=b < n_kb, other=0.0)[None, :]
+                s = tl.load(s_rows + b, mask=b < n_kb, other=0.0)[None, :]
             else:
-                acc += dots * tl.load(s_rows + b[None, :], mask=rmask[:, None] & (b < n_kb)[None, :], other=0.0)
+                s = tl.load(s_rows + b[None, :], mask=rmask[:, None] & (b < n_kb)[None, :], other=0.0)
+            x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, G, 16)), axis=2) * s
         tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
