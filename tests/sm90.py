@@ -1,5 +1,6 @@
 """Compiling the Triton kernels for the H200 (sm_90) without a GPU, for the kernel tests: Triton's own ptxas,
 cuobjdump and nvdisasm do it on any machine."""
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,3 +42,18 @@ def spills(kernel) -> str | None:
         return None
     usage = next(line for line in out.splitlines() if "REG:" in line)
     return " ".join(w for w in usage.split() if w.startswith(("STACK:", "LOCAL:")))
+
+
+def loop_body(cubin: bytes) -> list[str] | None:
+    """The SASS instructions of the kernel's longest loop, from the target of its backward branch to the branch,
+    each as its opcode (the predicate dropped); None without nvdisasm."""
+    out = cuda_tool("nvdisasm", ["-c"], cubin)
+    if out is None:
+        return None
+    lines = out.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    body = [line.split("*/", 1)[1].strip() for line in lines[start:end + 1] if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return [line.split()[1] if line.startswith("@") else line.split()[0] for line in body]

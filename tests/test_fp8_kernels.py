@@ -15,7 +15,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from sm90 import MAX_SHARED, compile_sm90, cuda_tool, spills  # noqa: E402
+from sm90 import MAX_SHARED, compile_sm90, loop_body, spills  # noqa: E402
 from triton_interpreter import run_script  # noqa: E402
 
 
@@ -142,20 +142,6 @@ def test_kernels_compile_for_sm90():
                 assert "warp_group_dot" in k.asm["ttgir"], what
 
 
-def _loop_body(cubin: bytes) -> list[str]:
-    """The SASS instructions of the kernel's k-loop: from the target of its backward branch to the branch."""
-    import re
-    out = cuda_tool("nvdisasm", ["-c"], cubin)
-    if out is None:
-        pytest.skip("this Triton build has no nvdisasm")
-    lines = out.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
-    start, end = max(loops, key=lambda se: se[1] - se[0])
-    return [line.split("*/", 1)[1].strip() for line in lines[start:end + 1] if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
-
-
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("uniform", [True, False])
 def test_fp8_gemv_loop_sums_nothing_across_threads(uniform):
@@ -169,8 +155,9 @@ def test_fp8_gemv_loop_sums_nothing_across_threads(uniform):
     for bn, kb, warps in fp8.GEMV_CONFIGS:
         consts = dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PDL=True)
         k = compile_sm90(fp8._fp8_gemv_kernel, types, consts, warps, 3, unaligned=SIZES)
-        body = _loop_body(k.asm["cubin"])
-        ops = [line.split()[0] if not line.startswith("@") else line.split()[1] for line in body]
+        ops = loop_body(k.asm["cubin"])
+        if ops is None:
+            pytest.skip("this Triton build has no nvdisasm")
         what = f"tile {(bn, kb, warps)}, uniform={uniform}"
         assert not [op for op in ops if op.startswith("SHFL")], what
         weights = [i for i, op in enumerate(ops) if op.startswith("LDG.E.EF.128")]
