@@ -36,11 +36,11 @@ if triton is not None:
         """One program: BLOCK_N output rows, KB whole k-blocks (128 columns each) per iteration; n_kb =
         ceil((K + k_shift) / 128), from the host.
 
-        Converting fp8 weights costs instructions, so the loop spends as few as it can beside them: it sums
-        nothing across threads. A thread sums its own 16 columns of each row (one 16-byte load a row, within
-        one k-block), scales that partial dot by the k-block's scale, and keeps it; the sums over threads
-        happen once, after the loop. UNIFORM: the program's rows share one scale row (every tile of the
-        public shapes), so one scale per thread and k-block."""
+        The loop sums nothing across threads (that took warp shuffles and barriers every iteration). A thread
+        sums its own 16 columns of each row (one 16-byte load a row, within one k-block), scales that partial
+        dot by the k-block's scale, and keeps it; the sums over threads happen once, after the loop. UNIFORM:
+        the program's rows share one scale row (every tile of the public shapes), so one scale per thread and
+        k-block."""
         first = tl.program_id(0) * BLOCK_N
         rows = first + tl.arange(0, BLOCK_N)
         rmask = rows < N
