@@ -520,6 +520,55 @@ def test_an_output_lock_refused_takes_away_only_the_folders_it_made(tmp_path, mo
     assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "c").exists()
 
 
+def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
+    """The signal handler releases the output and exits. It can run in the main thread while that thread is
+    inside release() (torchrun's SIGTERM after a rank died, as rank 0 ends): at any line of it, the handler's
+    release must finish the work without an error (it once closed the lock's descriptor a second time)."""
+    import sys
+    from tp_engine import output_file
+
+    class Exited(BaseException):  # the handler's os._exit: the interrupted call never resumes
+        pass
+    steps = [f.__code__ for f in (output_file.OutputLock.release, output_file.OutputLock._remove_folders)]
+    lines = []  # (code, line) of every line a release runs, in order
+
+    def record(frame, event, arg):
+        if frame.f_code in steps and event == "line":
+            lines.append((frame.f_code, frame.f_lineno))
+        return record
+    lock = output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl")
+    sys.settrace(record)
+    try:
+        lock.release()
+    finally:
+        sys.settrace(None)
+    for n, (code, line) in enumerate(dict.fromkeys(lines)):
+        target = tmp_path / str(n) / "a" / "out.jsonl"
+        lock = output_file.OutputLock(target, str(target))
+        fd, fired = lock.fd, []
+
+        def tracer(frame, event, arg):
+            if frame.f_code is code and event == "line" and frame.f_lineno == line and not fired:
+                fired.append(True)
+                sys.settrace(None)
+                lock.release()  # the handler; an error here is what failed
+                raise Exited
+            return tracer
+        sys.settrace(tracer)
+        try:
+            lock.release()
+        except Exited:
+            pass
+        finally:
+            sys.settrace(None)
+        assert fired and not (tmp_path / str(n)).exists(), f"line {line}: the lock file or a folder is left"
+        try:
+            os.close(fd)  # still open only if the handler came just before the close: its exit closes it
+        except OSError:
+            pass
+    assert len(set(lines)) > 8
+
+
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
     """When the first result's write failed, the message on stopping said that finished results were in the
     output, which still held the earlier run's lines only; a result is counted as kept once it is in the file."""

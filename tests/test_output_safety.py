@@ -356,6 +356,39 @@ def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
     assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
 
 
+FAILING_RANK = r"""
+import os, signal, sys
+from tp_engine import cli
+from tp_engine.results import ResultSink
+
+
+def run(*args, **kw):
+    cli._SINK = ResultSink(None, None, {"model": "m"})
+    cli._SINK.add({"index": 0, "output_token_ids": [5], "finish_reason": "length"})
+    raise RuntimeError("a kernel failed")
+
+
+def on_stop(self, real=ResultSink.on_stop):
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, as it stops the other ranks
+    return real(self)
+
+
+cli.C.build_config, cli.read_prompts, cli.run, ResultSink.on_stop = lambda *a: {}, lambda cfg: [], run, on_stop
+cli.main([])
+"""
+
+
+def test_a_signal_while_a_rank_fails_does_not_hide_why():
+    """A rank that fails says why and where the finished results are, then exits. torchrun's SIGTERM, sent as
+    the failure reached it, ran the signal handler in the middle of that: its exit replaced the failure's
+    message, and once it closed the output lock a second time and ended in a traceback instead."""
+    proc = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "error: rank 0: RuntimeError: a kernel failed; 1 finished results were printed to stdout" in proc.stderr
+    assert "stopped by" not in proc.stderr, proc.stderr[-2000:]
+    assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
+
+
 def test_a_failure_after_the_results_were_printed_does_not_say_a_line_may_be_cut(capsys):
     from tp_engine.results import ResultSink
     sink = ResultSink(None, None, {"model": "m"})

@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)
     except StartupError as e:
         fail(rank, str(e), 2)
-        sys.stderr.flush()
         os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
     except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
+        _STOPPING.acquire(blocking=False)  # a signal now (torchrun's, as the others stop) must not hide why
         from tp_engine.comm import failure_report, gloo_reason  # a stuck push all-reduce stops its kernel
         message = failure_report() or f"{type(e).__name__}: {e}"
         if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             message += f"; {_SINK.on_stop()}"
         release_output()
         fail(rank, f"rank {rank}: {message}", 1, always=True)
-        sys.stderr.flush()
         os._exit(1)  # skip destructors that could wait on a collective the other ranks never join
 
 
@@ -139,6 +138,7 @@ class Preflight:
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
 _PREFLIGHT: Preflight | None = None  # rank 0's output lock, for a run that ends early
 _LATE: list[int] = []  # a signal that came while rank 0 printed the results: it exits once they are out
+_STOPPING = threading.Lock()  # held by whatever ends this rank early: a signal's handler, or a failure
 
 
 def release_output() -> None:
@@ -250,13 +250,13 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
     else:
         time.sleep(FOLLOWER_GRACE_S)
         print(f"error: rank {rank}: {message}", file=sys.stderr)
+    sys.stderr.flush()
     return code
 
 
 def install_signal_handlers(rank: int) -> None:
     """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
     an output file, prints them to stdout before it exits."""
-    stopping = threading.Lock()
     # close() is printing the results to stdout, or has printed them all
     printing = lambda: rank == 0 and _SINK is not None and _SINK.printing and not _SINK.printed  # noqa: E731
     printed = lambda: rank == 0 and _SINK is not None and _SINK.printed  # noqa: E731
@@ -267,8 +267,8 @@ def install_signal_handlers(rank: int) -> None:
             # follows a Ctrl-C with SIGTERM: that one waits too.
             _LATE[:] = _LATE or [signum]
             return
-        if not stopping.acquire(blocking=False):
-            return  # already stopping (a second Ctrl-C, or the other thread below)
+        if not _STOPPING.acquire(blocking=False):
+            return  # already stopping (a second Ctrl-C, the other thread below, or a failure)
         if printed():  # after run() looked for a late signal
             print(f"\nstopped by {signal.Signals(signum).name} after the results were printed", file=sys.stderr)
         elif rank == 0:

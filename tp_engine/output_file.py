@@ -119,20 +119,25 @@ class OutputLock:
         return fd
 
     def release(self) -> None:
-        """Unlock, and remove the lock file and the folders this run made that are still empty."""
+        """Unlock, and remove the lock file and the folders this run made that are still empty.
+
+        A signal handler calls this too, and may run inside the main thread's call (then exits): every step
+        can be done twice, and the descriptor is taken before it is closed so that it is never closed twice."""
         if self.fd is not None:
             try:
                 self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
             except OSError:  # the folder no longer writable: a lock file left behind is harmless
                 pass
-            os.close(self.fd)
-            self.fd = None
-            self._remove_folders()
+            fd, self.fd = self.fd, None
+            os.close(fd)
+        self._remove_folders()
 
     def _remove_folders(self) -> None:
         for folder in self.made:
             try:
                 folder.rmdir()
+            except FileNotFoundError:  # removed already, by a release this one interrupted
+                continue
             except OSError:  # it holds the results, or something else
                 break
         self.made = []
