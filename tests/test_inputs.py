@@ -29,6 +29,29 @@ def config_with_prompts_file(tmp_path, data: bytes):
     return conf, pf
 
 
+def test_help_and_a_bad_config_answer_before_torch_loads(tmp_path):
+    """torch takes seconds to import, on every rank at once: the command line loads it only once the config is
+    good, so --help, --print-config and a mistyped key answer at once."""
+    import subprocess
+    import sys
+    conf = tmp_path / "run.yaml"
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\nsampling: {{top_p: 3.0}}\n")
+    script = f"""import sys
+from tp_engine.cli import main
+try:
+    main(["--help"])
+except SystemExit as e:
+    print("help", e.code, "torch" in sys.modules)
+main(["--config", {str(conf)!r}, "--set", "sampling.top_p=0.5", "--print-config"])
+print("print-config", "torch" in sys.modules)
+print("bad", main(["--config", {str(conf)!r}]), "torch" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "must be in (0, 1]; got 3.0" in proc.stderr, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith(("help ", "print-config ", "bad "))]
+    assert said == ["help 0 False", "print-config False", "bad 2 False"], proc.stdout[-2000:]
+
+
 # ---- YAML and JSONL ----
 
 def test_config_file_that_is_not_utf8_names_file_line_and_column(tmp_path, capsys):

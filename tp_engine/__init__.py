@@ -1,12 +1,15 @@
 """tp_engine: a small tensor-parallel inference engine for Qwen3 dense models."""
-from tp_engine.sampler import SamplingParams
 
 
 def __getattr__(name):
-    # LLM pulls in the engine and torch.distributed; import it on first use only.
+    # both need torch, and LLM the engine and torch.distributed: import them on first use only, so that the
+    # command line can refuse a bad config before torch loads
     if name == "LLM":
         from tp_engine.llm import LLM
         return LLM
+    if name == "SamplingParams":
+        from tp_engine.sampler import SamplingParams
+        return SamplingParams
     raise AttributeError(name)
 
 

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tp_engine import config as C
-from tp_engine.comm import StartupError
-from tp_engine.model_config import ModelConfig
 from tp_engine.output_file import OutputLock, check_target
 from tp_engine.progress import Progress, Streamer
 from tp_engine.prompts import PromptEncoder, read_prompts
@@ -79,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers(rank)
     try:
         return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)
-    except StartupError as e:
-        fail(rank, str(e), 2)
-        os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
-    except Exception as e:  # noqa: BLE001 - any other failure ends this rank now; torchrun then stops the rest
+    except Exception as e:  # noqa: BLE001 - any failure ends this rank now; torchrun then stops the rest
+        from tp_engine.comm import StartupError, failure_report, gloo_reason  # torch is loaded by now
+        if isinstance(e, StartupError):
+            fail(rank, str(e), 2)
+            os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
         _STOPPING.acquire(blocking=False)  # a signal now (torchrun's, as the others stop) must not hide why
-        from tp_engine.comm import failure_report, gloo_reason  # a stuck push all-reduce stops its kernel
-        message = failure_report() or f"{type(e).__name__}: {e}"
+        message = failure_report() or f"{type(e).__name__}: {e}"  # a stuck push all-reduce stops its kernel
         if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
             message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; torchrun's summary " \
                 "names it"  # its traceback would only show where this rank was waiting
@@ -122,6 +120,7 @@ class Preflight:
                                   cfg["model"])
             self.lock = OutputLock(target, shown)
         self.encoded = encoder.encode_all(self.prompts)
+        from tp_engine.model_config import ModelConfig  # it needs torch: only once the config is good
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
         settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings,
