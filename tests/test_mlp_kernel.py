@@ -45,7 +45,8 @@ assert set(mlp.tiles((scale, lay.scale_row, 32, False))) == {t for t in mlp.TILE
 for dt in (torch.float32, torch.bfloat16):
     x = torch.randn(1, H).to(dt)
     ref = torch_mlp(x, lay.dequantize(w, scale, dt))
-    for tile in mlp.tiles((scale, lay.scale_row, lay.row_align, False)):
+    tiles = mlp.tiles((scale, lay.scale_row, lay.row_align, False))
+    for tile in tiles if dt == torch.float32 else tiles[-1:]:  # every tile where the tolerance is tight
         got = mlp.fused(x, w, tile, (scale, lay.scale_row, lay.row_align, False))
         # the scales multiply the activations, so the weights skip the reference's rounding to bf16 (2**-9
         # of each)

@@ -49,8 +49,9 @@ for dt in (torch.float32, torch.bfloat16):
         paths = {}
         if n <= moe.GEMV_MAX_TOKENS:
             paths["gemv"] = lambda: moe.moe_gemv(x, gate_up, down, weights, ids)
-            tiles = max(len(moe.GEMV_TILES), len(moe.DOWN_TILES)) if n == 1 else 0  # one token: the GPU's case
-            for i in range(tiles):  # every tile the GPU may pick
+            # every tile the GPU may pick, for one token (the GPU's case), where float32's tolerance is tight
+            tiles = max(len(moe.GEMV_TILES), len(moe.DOWN_TILES)) if n == 1 and dt == torch.float32 else 0
+            for i in range(tiles):
                 t, d = moe.GEMV_TILES[i % len(moe.GEMV_TILES)], moe.DOWN_TILES[i % len(moe.DOWN_TILES)]
                 paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(moe._gate_up(x, gate_up, ids, t), down, ids,
                                                                      weights, d)
@@ -98,9 +99,10 @@ for dt in DTYPES:
         weights, ids = moe.topk_softmax((torch.randn(n, E) * 2).to(dt), 2, True)
         ref = experts_reference(x, gu_deq, dn_deq, weights, ids)
         paths = {}
-        if n <= moe.GEMV_MAX_TOKENS:
+        if n <= moe.GEMV_MAX_TOKENS:  # every tile in float32, where the tolerance is tight; bfloat16 one pair
             gate_up_tiles, down_tiles = moe._tiles(scales)
-            for t, d in zip(gate_up_tiles, down_tiles):
+            pairs = list(zip(gate_up_tiles, down_tiles))
+            for t, d in pairs if dt == torch.float32 else pairs[-1:]:
                 paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(moe._gate_up(x, gu_w, ids, t, scales), dn_w, ids,
                                                                      weights, d, scales)
         for cfg in (moe_grouped.SMALL, moe_grouped.LARGE):

@@ -38,9 +38,9 @@ from tp_engine.topk_sampling import draw_among, row_hash
 n = len(rows)
 ks = torch.tensor([1, 3, 20, 64, 64, 7, 20])
 ps = torch.tensor([1.0, 0.95, 0.5, 1e-6, 0.95, 1.0, 0.9])
+ids = sampling.topk_candidates(x, rows, temps, 64)
 for step in range(12):
     hashes = row_hash(torch.arange(n) * 7919 + 3, torch.full((n,), step))
-    ids = sampling.topk_candidates(x, rows, temps, 64)
     got = sampling.draw_among(x, rows, temps, ids, ks, ps, hashes)
     want = draw_among(x[rows[:, None], ids] / temps[:, None], ids, ks, ps, hashes, vocab)
     assert torch.equal(got, want), (step, got, want)
