@@ -592,6 +592,63 @@ def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
     assert len(set(lines)) > 8
 
 
+def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporary_file(tmp_path):
+    """The output is rewritten in input order through a temporary file beside it. A signal in the middle (the
+    handler releases the output and exits) left that file behind, and one of a killed run stayed for good.
+    Both go now, others' files stay, and the output holds either its old lines or its new ones."""
+    import sys
+    from tp_engine import output_file
+
+    class Exited(BaseException):
+        pass
+    target = tmp_path / "out.jsonl"
+    old, new = b'{"index": 1}\n{"index": 0}\n', b'{"index": 0}\n{"index": 1}\n'
+    lines = []
+
+    def rewrite():
+        target.write_bytes(old)
+        output_file.rewrite_lines(target, [(13, 12), (0, 12)])
+    here = output_file.__file__
+
+    def record(frame, event, arg):
+        if frame.f_code.co_filename == here and event == "line":
+            lines.append((frame.f_code, frame.f_lineno))
+        return record
+    sys.settrace(record)
+    try:
+        rewrite()
+    finally:
+        sys.settrace(None)
+    assert target.read_bytes() == new
+    (tmp_path / ".out.jsonl.ab12cd34.tmp").write_text("a killed run's")
+    kept = [tmp_path / ".out.jsonl.notes", tmp_path / "other.tmp", tmp_path / ".out.jsonl2.ab12cd34.tmp"]
+    for path in kept:
+        path.write_text("not the run's")
+    for code, line in dict.fromkeys(lines):
+        lock = output_file.OutputLock(target, str(target))
+        assert not list(tmp_path.glob(".out.jsonl.*.tmp")), "a killed run's temporary file stayed"
+        fired = []
+
+        def tracer(frame, event, arg):
+            if frame.f_code is code and event == "line" and frame.f_lineno == line and not fired:
+                fired.append(True)
+                sys.settrace(None)
+                lock.release()  # the handler
+                raise Exited
+            return tracer
+        sys.settrace(tracer)
+        try:
+            rewrite()
+        except Exited:
+            pass
+        finally:
+            sys.settrace(None)
+        lock.release()
+        assert fired and target.read_bytes() in (old, new), (code.co_name, line)
+        assert sorted(tmp_path.iterdir()) == sorted([target, *kept]), (code.co_name, line)
+    assert len(set(lines)) > 8
+
+
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
     """When the first result's write failed, the message on stopping said that finished results were in the
     output, which still held the earlier run's lines only; a result is counted as kept once it is in the file."""

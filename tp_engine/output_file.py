@@ -69,10 +69,14 @@ def _temp_prefix(name: str) -> str:
 
 class OutputLock:
     """An exclusive lock on `<target>.lock`, held until release() or until the process ends (even by kill -9:
-    the kernel drops it), so two runs can never write the same output. The file holds the holder's pid."""
+    the kernel drops it), so two runs can never write the same output. The file holds the holder's pid.
+
+    Only the holder writes the output's temporary files: those of a run that was killed go once the lock is
+    taken, and those of a replacement that a signal cut short at release()."""
 
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
+        self.temps = _temp_prefix(target.name)  # the output's and its settings file's start so (replace_with)
         self.made: list[Path] = []  # the folders this run made for the output, innermost first
         self.fd: int | None = None
         try:
@@ -81,6 +85,7 @@ class OutputLock:
         except BaseException:  # refused: the folders made go again
             self._remove_folders()
             raise
+        self._remove_temps()
 
     def _make_folders(self, target: Path, shown: str) -> None:
         for folder in reversed(target.parents):  # outermost first
@@ -119,11 +124,13 @@ class OutputLock:
         return fd
 
     def release(self) -> None:
-        """Unlock, and remove the lock file and the folders this run made that are still empty.
+        """Unlock, and remove the lock file, any temporary file of the output and the folders this run made
+        that are still empty.
 
         A signal handler calls this too, and may run inside the main thread's call (then exits): every step
         can be done twice, and the descriptor is taken before it is closed so that it is never closed twice."""
         if self.fd is not None:
+            self._remove_temps()  # while the lock file is there: once it is gone, another run may write its own
             try:
                 self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
             except OSError:  # the folder no longer writable: a lock file left behind is harmless
@@ -131,6 +138,18 @@ class OutputLock:
             fd, self.fd = self.fd, None
             os.close(fd)
         self._remove_folders()
+
+    def _remove_temps(self) -> None:
+        try:
+            names = [e.name for e in os.scandir(self.path.parent) if e.name.startswith(self.temps)]
+        except OSError:
+            return
+        for name in names:
+            if name.endswith(".tmp"):
+                try:
+                    os.unlink(self.path.parent / name)
+                except OSError:  # gone already, or the folder no longer writable
+                    pass
 
     def _remove_folders(self) -> None:
         for folder in self.made:
