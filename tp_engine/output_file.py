@@ -76,7 +76,7 @@ class OutputLock:
 
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
-        self.temps = _temp_prefix(target.name)  # the output's and its settings file's start so (replace_with)
+        self.temps = _temp_prefix(target.name)  # the start of its and its settings file's temporary files' names
         self.made: list[Path] = []  # the folders this run made for the output, innermost first
         self.fd: int | None = None
         try:
