@@ -356,6 +356,36 @@ def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
     assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
 
 
+EARLY_SIGNAL = r"""
+import os, runpy, signal, sys
+
+
+class Hook:  # the signal comes as the command line's modules import: a Ctrl-C just after the launch
+    def find_spec(self, name, path=None, target=None):
+        if name == "tp_engine.cli":
+            os.kill(os.getpid(), signal.{sig})
+        return None
+
+
+sys.meta_path.insert(0, Hook())
+sys.argv = ["generate.py", "--config", {conf!r}]
+runpy.run_path({generate!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_before_the_run_started_is_one_line(ckpt, tmp_path, sig):
+    """Before main() set up its handlers, a Ctrl-C printed a KeyboardInterrupt traceback on every rank, and a
+    SIGTERM ended the rank without a word."""
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump(base(ckpt, output=str(tmp_path / "out.jsonl"))))
+    script = EARLY_SIGNAL.format(sig=sig, conf=str(conf), generate=str(GENERATE))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"stopped by {sig} before the run started"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
 FAILING_RANK = r"""
 import os, signal, sys
 from tp_engine import cli
