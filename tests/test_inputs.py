@@ -543,110 +543,95 @@ def test_an_output_lock_refused_takes_away_only_the_folders_it_made(tmp_path, mo
     assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "c").exists()
 
 
+class Exited(BaseException):
+    """The signal handler's os._exit: the call it interrupted never resumes."""
+
+
+def output_file_lines(call) -> list:
+    """(code, line) of each line of tp_engine/output_file.py that `call()` runs, first runs only, in order."""
+    import sys
+    from tp_engine import output_file
+    lines = []
+
+    def record(frame, event, arg):
+        if frame.f_code.co_filename == output_file.__file__ and event == "line":
+            lines.append((frame.f_code, frame.f_lineno))
+        return record
+    sys.settrace(record)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return list(dict.fromkeys(lines))
+
+
+def interrupted(call, code, line, handler) -> bool:
+    """Run `call()` until it reaches `line` of `code`, then `handler()` there, as a signal's handler runs in
+    the main thread, and end the call as its exit would; whether the line was reached."""
+    import sys
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code and event == "line" and frame.f_lineno == line and not fired:
+            fired.append(True)
+            sys.settrace(None)
+            handler()  # an error here is what failed
+            raise Exited
+        return tracer
+    sys.settrace(tracer)
+    try:
+        call()
+    except Exited:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(fired)
+
+
 def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
     """The signal handler releases the output and exits. It can run in the main thread while that thread is
     inside release() (torchrun's SIGTERM after a rank died, as rank 0 ends): at any line of it, the handler's
     release must finish the work without an error (it once closed the lock's descriptor a second time)."""
-    import sys
     from tp_engine import output_file
-
-    class Exited(BaseException):  # the handler's os._exit: the interrupted call never resumes
-        pass
-    steps = [f.__code__ for f in (output_file.OutputLock.release, output_file.OutputLock._remove_folders)]
-    lines = []  # (code, line) of every line a release runs, in order
-
-    def record(frame, event, arg):
-        if frame.f_code in steps and event == "line":
-            lines.append((frame.f_code, frame.f_lineno))
-        return record
-    lock = output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl")
-    sys.settrace(record)
-    try:
-        lock.release()
-    finally:
-        sys.settrace(None)
-    for n, (code, line) in enumerate(dict.fromkeys(lines)):
+    lines = output_file_lines(output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl").release)
+    for n, (code, line) in enumerate(lines):
         target = tmp_path / str(n) / "a" / "out.jsonl"
         lock = output_file.OutputLock(target, str(target))
-        fd, fired = lock.fd, []
-
-        def tracer(frame, event, arg):
-            if frame.f_code is code and event == "line" and frame.f_lineno == line and not fired:
-                fired.append(True)
-                sys.settrace(None)
-                lock.release()  # the handler; an error here is what failed
-                raise Exited
-            return tracer
-        sys.settrace(tracer)
-        try:
-            lock.release()
-        except Exited:
-            pass
-        finally:
-            sys.settrace(None)
+        fd = lock.fd
+        fired = interrupted(lock.release, code, line, lock.release)
         assert fired and not (tmp_path / str(n)).exists(), f"line {line}: the lock file or a folder is left"
         try:
             os.close(fd)  # still open only if the handler came just before the close: its exit closes it
         except OSError:
             pass
-    assert len(set(lines)) > 8
+    assert len(lines) > 8
 
 
 def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporary_file(tmp_path):
     """The output is rewritten in input order through a temporary file beside it. A signal in the middle (the
     handler releases the output and exits) left that file behind, and one of a killed run stayed for good.
     Both go now, others' files stay, and the output holds either its old lines or its new ones."""
-    import sys
     from tp_engine import output_file
-
-    class Exited(BaseException):
-        pass
     target = tmp_path / "out.jsonl"
     old, new = b'{"index": 1}\n{"index": 0}\n', b'{"index": 0}\n{"index": 1}\n'
-    lines = []
 
     def rewrite():
         target.write_bytes(old)
         output_file.rewrite_lines(target, [(13, 12), (0, 12)])
-    here = output_file.__file__
-
-    def record(frame, event, arg):
-        if frame.f_code.co_filename == here and event == "line":
-            lines.append((frame.f_code, frame.f_lineno))
-        return record
-    sys.settrace(record)
-    try:
-        rewrite()
-    finally:
-        sys.settrace(None)
+    lines = output_file_lines(rewrite)
     assert target.read_bytes() == new
     (tmp_path / ".out.jsonl.ab12cd34.tmp").write_text("a killed run's")
     kept = [tmp_path / ".out.jsonl.notes", tmp_path / "other.tmp", tmp_path / ".out.jsonl2.ab12cd34.tmp"]
     for path in kept:
         path.write_text("not the run's")
-    for code, line in dict.fromkeys(lines):
+    for code, line in lines:
         lock = output_file.OutputLock(target, str(target))
         assert not list(tmp_path.glob(".out.jsonl.*.tmp")), "a killed run's temporary file stayed"
-        fired = []
-
-        def tracer(frame, event, arg):
-            if frame.f_code is code and event == "line" and frame.f_lineno == line and not fired:
-                fired.append(True)
-                sys.settrace(None)
-                lock.release()  # the handler
-                raise Exited
-            return tracer
-        sys.settrace(tracer)
-        try:
-            rewrite()
-        except Exited:
-            pass
-        finally:
-            sys.settrace(None)
+        fired = interrupted(rewrite, code, line, lock.release)
         lock.release()
         assert fired and target.read_bytes() in (old, new), (code.co_name, line)
         assert sorted(tmp_path.iterdir()) == sorted([target, *kept]), (code.co_name, line)
-    assert len(set(lines)) > 8
+    assert len(lines) > 8
 
 
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
