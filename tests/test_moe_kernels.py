@@ -13,7 +13,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from sm90 import MAX_SHARED, compile_sm90, spills  # noqa: E402
+from sm90 import MAX_SHARED, compile_sm90, loop_body, spills  # noqa: E402
 from triton_interpreter import run_script  # noqa: E402
 
 
@@ -173,3 +173,29 @@ def test_kernels_compile_for_sm90():
         assert used in (None, "STACK:0 LOCAL:0"), f"{what}: {used}"
         if fn in (g._gate_up_kernel, g._down_kernel):  # the K loop must pipeline (asynchronous copies)
             assert "async_copy" in k.asm["ttgir"], what
+
+
+LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fp8_down_gemv_loads_its_weights_before_the_loops_barrier():
+    """With FP8 experts the down GEMV scales the activations through shared memory, behind a barrier. No load
+    can cross a barrier: weights loaded after it waited each iteration for the activations' round trip to the
+    L2 cache. Every tile issues the whole tile's loads (k experts' BN x BK weight bytes and their activations)
+    before the loop's first barrier."""
+    from tp_engine.kernels import moe
+
+    types = {"act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32", "wts_ptr": "*bf16", "out_ptr": "*bf16",
+             "s_ptr": "*fp32", "srow_ptr": "*i32"}
+    for bn, bk, warps in moe.DOWN_TILES:
+        consts = dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=True, PDL=True)
+        k = compile_sm90(moe._gemv_down_kernel, types, consts, warps, 3, unaligned=SIZES)
+        ops = loop_body(k.asm["cubin"])
+        if ops is None:
+            pytest.skip("this Triton build has no nvdisasm")
+        barrier = next(i for i, op in enumerate(ops) if op.startswith("BAR"))
+        loaded = sum(next((LOAD_BYTES[p] for p in op.split(".") if p in LOAD_BYTES), 4)
+                     for op in ops[:barrier] if op.startswith("LDG"))
+        tile = (8 * bn * bk + 8 * bk * 2) // (32 * warps)  # per thread: fp8 weights and bf16 activations
+        assert loaded >= tile, f"tile {(bn, bk, warps)}: {loaded} bytes of {tile} loaded before the barrier"

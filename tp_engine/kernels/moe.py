@@ -125,10 +125,12 @@ if triton is not None:
             k = k0 + tl.arange(0, BK)
             kmask = k < I
             amask = jmask[:, None] & kmask[None, :]
+            # the weights first: with FP8, the activations' scaling goes through shared memory, and a load
+            # issued after its barrier would wait for that round trip
+            w = tl.load(rows + k[None, None, :], mask=wmask & kmask[None, None, :], other=0.0)
             a = tl.load(act_ptr + s[:, None] * act_stride + k[None, :], mask=amask, other=0.0).to(tl.float32)
             if FP8:
                 a = a * tl.load(s_rows + ((k + k_shift) // 128)[None, :], mask=amask, other=0.0)
-            w = tl.load(rows + k[None, None, :], mask=wmask & kmask[None, None, :], other=0.0)
             acc += w.to(tl.float32) * a[:, None, :]
         DT: tl.constexpr = out_ptr.dtype.element_ty
         y = _round(tl.sum(acc, axis=2), DT)  # [k, BN]: each expert's output, rounded as the reference rounds it
