@@ -105,9 +105,9 @@ def _variants():
     from tp_engine.kernels import fp8, fp8_gemm as g
 
     gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
-    out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u, PDL=True), w, 3)
-           for (bn, kb, w), u in ((fp8.GEMV_CONFIGS[0], True), (fp8.GEMV_CONFIGS[-1], True),
-                                  (fp8.GEMV_CONFIGS[-1], False))]
+    out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u, PAIR=p, PDL=True), w, 3)
+           for (bn, kb, w), u, p in ((fp8.GEMV_CONFIGS[0], True, False), (fp8.GEMV_CONFIGS[-1], True, False),
+                                     (fp8.GEMV_CONFIGS[-1], False, False), (fp8.GEMV_CONFIGS[-1], False, True))]
     gemm_types = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32",
                   "c_ptr": "*bf16"}
     tiles = [(False, c) for c in (g.GEMM_CONFIGS[16][0], g.GEMM_CONFIGS[16][3], g.GEMM_CONFIGS[16][4],
@@ -143,22 +143,22 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("uniform", [True, False])
-def test_fp8_gemv_loop_sums_nothing_across_threads(uniform):
+@pytest.mark.parametrize("uniform, pair", [(True, False), (False, False), (True, True)])
+def test_fp8_gemv_loop_sums_nothing_across_threads(uniform, pair):
     """The FP8 GEMV's k-loop sums no products across threads (that took 12-48 warp shuffles an iteration, and
     barriers with them), loads the weights 16 bytes at a time, and issues those loads before its first barrier:
     after it, they waited every iteration for the activations' trip to the L2 cache (4.8% of a Qwen3-8B FP8
-    decode step on an H200)."""
+    decode step on an H200). pair: the MLP's gate and up rows in pairs (kernels/mlp.py), the same loop."""
     from tp_engine.kernels import fp8
 
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
     for bn, kb, warps in fp8.GEMV_CONFIGS:
-        consts = dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PDL=True)
+        consts = dict(BLOCK_N=bn, KB=kb, UNIFORM=uniform, PAIR=pair, PDL=True)
         k = compile_sm90(fp8._fp8_gemv_kernel, types, consts, warps, 3, unaligned=SIZES)
         ops = loop_body(k.asm["cubin"])
         if ops is None:
             pytest.skip("this Triton build has no nvdisasm")
-        what = f"tile {(bn, kb, warps)}, uniform={uniform}"
+        what = f"tile {(bn, kb, warps)}, uniform={uniform}, pair={pair}"
         assert not [op for op in ops if op.startswith("SHFL")], what
         weights = [i for i, op in enumerate(ops) if op.startswith("LDG.E.EF.128")]
         assert len(weights) == bn * kb * 128 // (16 * 32 * warps), what

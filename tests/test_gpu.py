@@ -167,7 +167,7 @@ def _torch_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_fused_gate_up_silu_matches_the_torch_mlp():
-    """The MLP's gate/up matmul and silu * up in one kernel (kernels/mlp.py), every tile, on Qwen3-0.6B's and
+    """The MLP's gate/up matmul and silu * up in one kernel (kernels/mlp.py), every candidate, on Qwen3-0.6B's and
     Qwen3-8B's MLP shapes with bf16 and block-FP8 weights: within bf16 rounding of the torch MLP (the roundings
     are the same, the sums run in another order); the timed choice too, and in a CUDA graph."""
     from tp_engine.kernels import mlp, select
@@ -187,11 +187,11 @@ def test_fused_gate_up_silu_matches_the_torch_mlp():
         s8 = torch.rand(lay.rows, lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
         fp8 = (s8, lay.scale_row.to(DEV), lay.row_align, False)
         for weight, q, ref in ((w, None, _torch_mlp(x, w)), (w8, fp8, _torch_mlp(x, lay.dequantize(w8, s8, BF16)))):
-            for tile in mlp.tiles(q):
-                got = mlp.fused(x, weight, tile, q)
-                assert rel(got, ref) < 5e-3, (i, k, tile, q is not None)
+            for choice in mlp.candidates(q)[1:]:  # all but ("split", None)
+                got = mlp.run(choice, x, weight, q)
+                assert rel(got, ref) < 5e-3, (i, k, choice, q is not None)
                 if q is None:
-                    assert (got == ref).float().mean() > 0.98, (i, k, tile)
+                    assert (got == ref).float().mean() > 0.98, (i, k, choice)
             assert rel(mlp.gate_up_silu(x, weight, q), ref) < 5e-3  # the timed choice
             xs = x.clone()
             graph = torch.cuda.CUDAGraph()
@@ -209,7 +209,7 @@ def test_fused_gate_up_silu_in_the_engine_matches_hf(tiny_ckpt, hf_model, hf_ref
     from tp_engine.kernels import mlp
     fused, calls = mlp.fused, []
     monkeypatch.setattr(mlp, "_CHOICE", {})
-    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: mlp.tiles(fp8)[0])
+    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: ("fused", mlp.tiles(fp8)[0]))
     monkeypatch.setattr(mlp, "fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
     m = llm(tiny_ckpt)
     ours = [generate(m, [p], max_new_tokens=12)[0] for p in PARITY_PROMPTS]  # batch 1, where it runs

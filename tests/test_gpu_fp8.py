@@ -156,15 +156,17 @@ def test_fp8_greedy_matches_transformers_on_dequantized_weights(ckpts, hf_deq):
     assert_parity(hf_deq[torch.float32], PARITY_PROMPTS, ours, hf_greedy(hf_deq[BF16], PARITY_PROMPTS, 12))
 
 
-def test_fp8_mlp_through_the_fused_gate_up_kernel_matches_transformers(ckpts, hf_deq, monkeypatch):
-    """Every MLP's FP8 gate/up and silu * up in one kernel (kernels/mlp.py), whatever the timing would pick: the tokens of transformers on the
+@pytest.mark.parametrize("kind", ["fused", "paired"])
+def test_fp8_mlp_through_the_fused_gate_up_kernel_matches_transformers(ckpts, hf_deq, kind, monkeypatch):
+    """Every MLP's FP8 gate/up and silu * up in one kernel (kernels/mlp.py: the experts' kernel, or the FP8 GEMV
+    taking gate and up rows in pairs), whatever the timing would pick: the tokens of transformers on the
     dequantized weights, up to near ties."""
     needs_flashinfer()
     from tp_engine.kernels import mlp
-    fused, calls = mlp.fused, []
+    kernel, calls = getattr(mlp, kind), []
     monkeypatch.setattr(mlp, "_CHOICE", {})
-    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: mlp.tiles(fp8)[-1])
-    monkeypatch.setattr(mlp, "fused", lambda *a, **k: calls.append(a[3] is not None) or fused(*a, **k))
+    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: [c for c in mlp.candidates(fp8) if c[0] == kind][-1])
+    monkeypatch.setattr(mlp, kind, lambda *a, **k: calls.append(a[3] is not None) or kernel(*a, **k))
     m = llm(ckpts["fp8"])
     ours = [generate(m, [p], max_new_tokens=12)[0] for p in PARITY_PROMPTS]  # batch 1, where it runs
     del m

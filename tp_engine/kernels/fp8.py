@@ -28,11 +28,12 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tenso
 if triton is not None:
     import triton.language as tl
 
-    from tp_engine.kernels import _pdl_wait, _prefetch_l2
+    from tp_engine.kernels import _pdl_wait, _prefetch_l2, _silu_mul
 
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, N, K, w_stride, s_stride, k_shift, n_kb,
-                         BLOCK_N: tl.constexpr, KB: tl.constexpr, UNIFORM: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, KB: tl.constexpr, UNIFORM: tl.constexpr, PAIR: tl.constexpr,
+                         PDL: tl.constexpr):
         """One program: BLOCK_N output rows, KB whole k-blocks (128 columns each) per iteration; n_kb =
         ceil((K + k_shift) / 128), from the host.
 
@@ -40,10 +41,14 @@ if triton is not None:
         sums its own 16 columns of each row (one 16-byte load a row, within one k-block), scales that partial
         dot by the k-block's scale, and keeps it; the sums over threads happen once, after the loop. UNIFORM:
         the program's rows share one scale row (every tile of the public shapes), so one scale per thread and
-        k-block."""
-        first = tl.program_id(0) * BLOCK_N
-        rows = first + tl.arange(0, BLOCK_N)
-        rmask = rows < N
+        k-block. PAIR: w is an MLP's [gate | up] (2N rows) and the program takes BLOCK_N // 2 rows of each,
+        interleaved, for silu(gate) * up [N] (kernels/mlp.py): the weights stream as in the plain GEMV, and
+        the [gate | up] vector is never written; UNIFORM then holds for each half."""
+        R: tl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # outputs per program
+        first = tl.program_id(0) * R
+        r = tl.arange(0, BLOCK_N)
+        rows = first + r // 2 + (r % 2) * N if PAIR else first + r
+        rmask = (first + r // 2 < N) if PAIR else rows < N
         BK: tl.constexpr = KB * 128
         G: tl.constexpr = BK // 16  # groups of 16 columns, each inside one k-block
         kk = tl.arange(0, BK)
@@ -51,12 +56,14 @@ if triton is not None:
         w_rows = w_ptr + rows[:, None].to(tl.int64) * w_stride
         if UNIFORM:
             s_rows = s_ptr + tl.load(srow_ptr + first) * s_stride
+            if PAIR:
+                s_up = s_ptr + tl.load(srow_ptr + N + first) * s_stride
         else:
             s_rows = s_ptr + tl.load(srow_ptr + rows, mask=rmask, other=0)[:, None] * s_stride
         acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
         if PDL:  # the first tile into the L2 cache before waiting for x; one address per 128-byte line
             lines = tl.minimum(tl.maximum(tl.arange(0, KB) * 128 - k_shift, 0), K - 1)
-            _prefetch_l2(w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :])
+            _prefetch_l2(w_ptr + tl.where(rmask, rows, 0)[:, None].to(tl.int64) * w_stride + lines[None, :])
         _pdl_wait(PDL)
         for b0 in range(0, n_kb, KB):
             cols = b0 * 128 - k_shift + kk
@@ -69,11 +76,19 @@ if triton is not None:
             b = b0 + g // 8
             if UNIFORM:
                 s = tl.load(s_rows + b, mask=b < n_kb, other=0.0)[None, :]
+                if PAIR:
+                    s = tl.where((r % 2 == 0)[:, None], s, tl.load(s_up + b, mask=b < n_kb, other=0.0)[None, :])
             else:
                 s = tl.load(s_rows + b[None, :], mask=rmask[:, None] & (b < n_kb)[None, :], other=0.0)
             x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, G, 16)), axis=2) * s
-        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
+        DT: tl.constexpr = out_ptr.dtype.element_ty
+        if PAIR:
+            gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (R, 2)))
+            n = first + tl.arange(0, R)
+            tl.store(out_ptr + n, _silu_mul(gate, up, DT).to(DT), mask=n < N)
+        else:
+            tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(DT), mask=rmask)
 
 
 # (rows per program, k-blocks of 128 per iteration, warps): the fastest inside a decode step on an H200 for the
@@ -83,14 +98,17 @@ GEMV_CONFIGS = [(4, 4, 2), (8, 8, 2), (8, 16, 4), (4, 16, 4), (2, 32, 4), (8, 8,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor, k_shift: int,
-         row_align: int, cfg: tuple) -> torch.Tensor:
-    """x [1, K] @ dequantized(weight).T -> [1, N]. row_align: the scale row changes only at multiples of it."""
+         row_align: int, cfg: tuple, pair: bool = False) -> torch.Tensor:
+    """x [1, K] @ dequantized(weight).T -> [1, N]. row_align: the scale row changes only at multiples of it.
+    pair: weight is [gate | up] and the result silu(gate) * up, [1, N / 2] (cfg's rows: both halves')."""
     bn, kb, warps = cfg
     n, k = weight.shape
+    n, rows = (n // 2, bn // 2) if pair else (n, bn)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, bn),)](x, weight, scale, scale_row, out, n, k, weight.stride(0),
-                                            scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128), BLOCK_N=bn, KB=kb,
-                                            UNIFORM=row_align % bn == 0, num_warps=warps, **pdl_args(x.device))
+    _fp8_gemv_kernel[(triton.cdiv(n, rows),)](x, weight, scale, scale_row, out, n, k, weight.stride(0),
+                                              scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128), BLOCK_N=bn,
+                                              KB=kb, UNIFORM=row_align % rows == 0, PAIR=pair, num_warps=warps,
+                                              **pdl_args(x.device))
     return out
 
 

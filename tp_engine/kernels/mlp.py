@@ -1,7 +1,8 @@
 """silu(gate) * up of a dense MLP at one token, in one kernel: the experts' gate/up kernel (kernels/moe.py) run
-as a single expert. Against the matmul and then `silu_mul`, it saves a kernel per layer and the write and read
-of [gate | up]. Each weight shape keeps whichever of the two is faster, timed once on first use (as
-kernels/gemv.py does; never inside a CUDA-graph capture: GraphRunner warms every batch size up first).
+as a single expert, or, with block-FP8 weights, the FP8 GEMV (kernels/fp8.py) taking rows of gate and up in
+pairs. Against the matmul and then `silu_mul`, it saves a kernel per layer and the write and read of
+[gate | up]. Each weight shape keeps the fastest of these, timed once on first use (as kernels/gemv.py does;
+never inside a CUDA-graph capture: GraphRunner warms every batch size up first).
 
 Both round where the torch MLP rounds (the gate and up products, silu, the product); the fused kernel sums
 each product in another order than the matmul.
@@ -39,6 +40,14 @@ def fused(x: torch.Tensor, w: torch.Tensor, tile: tuple, fp8: tuple | None = Non
     return act
 
 
+def paired(x: torch.Tensor, w: torch.Tensor, cfg: tuple, fp8: tuple) -> torch.Tensor:
+    """The same through the FP8 GEMV (kernels/fp8.py) at tile `cfg`, taking rows of gate and up in pairs."""
+    from tp_engine.kernels import fp8 as fp8_kernels
+
+    scale, scale_row, row_align, _ = fp8
+    return fp8_kernels.gemv(x, w, scale, scale_row, 0, row_align, cfg, pair=True)
+
+
 def split(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None = None) -> torch.Tensor:
     """The same as two kernels: the batch-1 matmul (kernels/gemv.py or kernels/fp8.py), then silu_mul."""
     from tp_engine.kernels import fp8 as fp8_kernels
@@ -55,18 +64,35 @@ def tiles(fp8: tuple | None) -> list[tuple]:
     return TILES if fp8 is None else [t for t in TILES if fp8[2] % t[0] == 0]
 
 
-def _choose(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None):
+def candidates(fp8: tuple | None) -> list[tuple]:
+    """("split", None), then ("fused", tile) and, with FP8 weights, ("paired", FP8 GEMV tile) for each tile."""
+    from tp_engine.kernels.fp8 import GEMV_CONFIGS
+
+    pairs = [] if fp8 is None else [("paired", c) for c in GEMV_CONFIGS if c[0] > 1]
+    return [("split", None)] + [("fused", t) for t in tiles(fp8)] + pairs
+
+
+def run(choice: tuple, x: torch.Tensor, w: torch.Tensor, fp8: tuple | None) -> torch.Tensor:
+    kind, tile = choice
+    if kind == "split":
+        return split(x, w, fp8)
+    return fused(x, w, tile, fp8) if kind == "fused" else paired(x, w, tile, fp8)
+
+
+def _choose(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None) -> tuple:
     from tp_engine.kernels.gemv import _time, cold_copies
 
     weights = cold_copies(w)
-    best, best_t = "split", _time(lambda m: split(x, m, fp8), weights)
-    for tile in tiles(fp8):
+    best, best_t = ("split", None), float("inf")
+    for choice in candidates(fp8):
         try:
-            t = _time(lambda m: fused(x, m, tile, fp8), weights)
+            t = _time(lambda m: run(choice, x, m, fp8), weights)
         except Exception:  # a tile this shape or GPU cannot run
+            if choice[0] == "split":
+                raise
             continue
         if t < best_t:
-            best, best_t = tile, t
+            best, best_t = choice, t
     return best
 
 
@@ -82,4 +108,4 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, fp8: tuple | None = None) -> 
         if torch.cuda.is_current_stream_capturing():
             return split(x, w, fp8)
         choice = _CHOICE[key] = _choose(x, w, fp8)
-    return split(x, w, fp8) if choice == "split" else fused(x, w, choice, fp8)
+    return run(choice, x, w, fp8)
