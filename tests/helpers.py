@@ -95,14 +95,16 @@ def free_port() -> int:
 
 def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
             name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines."""
+    """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines.
+    nproc 0: in one plain process, without torchrun (one rank; no launcher to start, for the tests of errors
+    every rank finds alike)."""
     cfg = dict(cfg)
     cfg.setdefault("output", str(tmp_path / f"{name}.jsonl"))
     cfg.setdefault("device", "cpu")
     conf = tmp_path / f"{name}.yaml"
     conf.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", str(GENERATE), "--config", str(conf), *args]
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"] if nproc else []
+    cmd = [sys.executable, *launcher, str(GENERATE), "--config", str(conf), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = Path(cfg["output"])
