@@ -189,7 +189,8 @@ def test_checkpoint_tensor_errors(ckpt, tmp_path, case):
     change, needles = CKPT_CASES[case]
     rewrite_tensors(path, change)
     t0 = time.time()
-    proc, _ = run_cli(base(path), tmp_path, nproc=2 if case in ("missing", "wrong_shape") else 0)  # as above
+    # one plain process, as the configuration errors above; the shard-dependent checks also at two ranks
+    proc, _ = run_cli(base(path), tmp_path, nproc=2 if case in ("missing", "wrong_shape") else 0)
     assert_fails_once(proc, *needles, took=time.time() - t0)
 
 

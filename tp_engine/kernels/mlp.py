@@ -73,6 +73,7 @@ def candidates(fp8: tuple | None) -> list[tuple]:
 
 
 def run(choice: tuple, x: torch.Tensor, w: torch.Tensor, fp8: tuple | None) -> torch.Tensor:
+    """silu(gate) * up through one of `candidates`."""
     kind, tile = choice
     if kind == "split":
         return split(x, w, fp8)
