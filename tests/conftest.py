@@ -7,6 +7,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
+# The longest tests (the kernels in Triton's interpreter, 20-45 s each) start first, so that neither worker of
+# pytest -n 2 is left running one of them alone at the end.
+FIRST = ("test_moe_kernels.py", "test_fp8_kernels.py", "test_mlp_kernel.py", "test_sampling_kernels.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: Path(str(item.fspath)).name not in FIRST)  # stable: otherwise the file order
+
 
 # The GPU tests' checkpoint and reference, shared by test_gpu*.py (here, so that a session trains it once).
 @pytest.fixture(scope="session")
