@@ -34,7 +34,7 @@ def test_python_api_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "rank1").read_text()) is None  # other ranks follow rank 0 and get None
     outs = json.loads((tmp_path / "rank0").read_text())
-    _, cli = run_cli({"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 6}}, tmp_path)
+    _, cli = run_cli({"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 6}}, tmp_path, nproc=0)
     assert [o["output_token_ids"] for o in outs] == [c["output_token_ids"] for c in cli]
 
 
@@ -430,7 +430,7 @@ def test_help_lists_every_key_and_print_config_merges(tmp_path):
 def test_two_nodes_on_localhost_equal_tp1(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}, "device": "cpu"}
-    _, single = run_cli(cfg, tmp_path, nproc=1, name="single")
+    _, single = run_cli(cfg, tmp_path, nproc=0, name="single")
     port = free_port()
     procs = []
     for node in range(2):
@@ -486,7 +486,7 @@ def test_dummy_weights_from_config_alone(tmp_path):
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [len(x["output_token_ids"]) for x in lines] == [5, 5]
-    proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, nproc=1, name="auto")
+    proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, nproc=0, name="auto")
     assert proc.returncode != 0 and "no *.safetensors weights" in proc.stderr
 
 
