@@ -34,8 +34,7 @@ def test_python_api_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "rank1").read_text()) is None  # other ranks follow rank 0 and get None
     outs = json.loads((tmp_path / "rank0").read_text())
-    _, cli = run_cli({"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 6}}, tmp_path, nproc=0)
-    assert [o["output_token_ids"] for o in outs] == [c["output_token_ids"] for c in cli]
+    assert [o["output_token_ids"] for o in outs] == hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
 
 
 NO_SHUTDOWN = """
@@ -427,10 +426,9 @@ def test_help_lists_every_key_and_print_config_merges(tmp_path):
     assert merged["kv_cache"]["num_pages"] == 12 and merged["kv_cache"]["page_size"] == 16  # defaults kept
 
 
-def test_two_nodes_on_localhost_equal_tp1(tmp_path):
+def test_two_nodes_on_localhost_equal_transformers(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}, "device": "cpu"}
-    _, single = run_cli(cfg, tmp_path, nproc=0, name="single")
     port = free_port()
     procs = []
     for node in range(2):
@@ -445,7 +443,7 @@ def test_two_nodes_on_localhost_equal_tp1(tmp_path):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "nodes.jsonl").read_text().splitlines()]
-    assert [x["output_token_ids"] for x in lines] == [s["output_token_ids"] for s in single]
+    assert [x["output_token_ids"] for x in lines] == hf_generate(model, [p["input_ids"] for p in PROMPTS], 8)
 
 
 def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):

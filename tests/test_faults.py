@@ -314,8 +314,11 @@ def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
     assert proc.returncode != 0
     assert "resume" in err
     partial = check_results_file(out, 16)
+    if sig == signal.SIGINT:  # resuming does not depend on how the run stopped: once is enough
+        return
     with out.open("a") as f:
         f.write('{"index": 15, "prompt_tok')  # a line torn by a crash is ignored on resume
+    cfg["max_batch_size"] = 16  # the tokens do not depend on the batch
     proc2, lines = run_cli({**cfg, "resume": True}, tmp_path, nproc=2, name="resume")
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert [line["index"] for line in lines] == list(range(16))
