@@ -93,6 +93,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+API_JOB = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+results = {{}}
+for name, path in {models!r}.items():
+    llm = LLM(model=path, device="cpu")
+    outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(**{sampling!r}))
+    llm.shutdown()
+    results[name] = outs  # None on the ranks other than 0
+if results[next(iter(results))] is not None:
+    with open({out!r}, "w") as f:
+        json.dump(results, f)
+"""
+
+
+def api_job(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int, tmp_path: Path) -> dict:
+    """{name: rank 0's outputs} of each checkpoint in `models`, through the Python API in one torchrun job of
+    `tp` ranks (a job per checkpoint would spend most of its time starting processes)."""
+    script = tmp_path / "job.py"
+    script.write_text(API_JOB.format(root=str(ROOT), models={k: str(v) for k, v in models.items()}, prompts=prompts,
+                                     sampling=sampling, out=str(tmp_path / "results.json")))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "--standalone",
+                           str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "results.json").read_text())
+
+
 def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
             name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines.

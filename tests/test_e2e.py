@@ -2,14 +2,9 @@
 at TP 1, 2 and 4. One variant goes through the real CLI (launch/generate.py) at each TP; the others through
 the Python API, all of them in one torchrun job per TP (a job per variant spent most of its time starting
 processes)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from helpers import ROOT, hf_generate, make_checkpoint, run_cli
+from helpers import api_job, hf_generate, make_checkpoint, run_cli
 
 PROMPTS = [[5, 17, 300, 42, 8], [1, 2, 3], [250, 9, 77, 13, 101, 4, 3, 2, 1, 0, 66], [7]]
 MAX_NEW = 12
@@ -38,34 +33,6 @@ def checkpoints(tmp_path_factory):
 
 CLI_VARIANT = "sharded_index"
 
-API_JOB = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tp_engine import LLM, SamplingParams
-results = {{}}
-for name, path in {models!r}.items():
-    llm = LLM(model=path, device="cpu")
-    outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(max_new_tokens={max_new}))
-    llm.shutdown()
-    results[name] = outs  # None on the ranks other than 0
-if results[next(iter(results))] is not None:
-    with open({out!r}, "w") as f:
-        json.dump(results, f)
-"""
-
-
-def api_job(checkpoints: dict, tp: int, tmp_path) -> dict:
-    """{variant: rank 0's outputs} for every variant but CLI_VARIANT, from one torchrun job of `tp` ranks."""
-    models = {name: str(path) for name, (path, _) in checkpoints.items() if name != CLI_VARIANT}
-    script = tmp_path / "job.py"
-    script.write_text(API_JOB.format(root=str(ROOT), models=models, prompts=PROMPTS, max_new=MAX_NEW,
-                                     out=str(tmp_path / "results.json")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "--standalone",
-                           str(script)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp_path / "results.json").read_text())
-
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers(checkpoints, tp, tmp_path):
@@ -73,7 +40,8 @@ def test_greedy_equals_transformers(checkpoints, tp, tmp_path):
            "sampling": {"max_new_tokens": MAX_NEW}}
     proc, lines = run_cli(cfg, tmp_path, nproc=tp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {CLI_VARIANT: lines, **api_job(checkpoints, tp, tmp_path)}
+    models = {name: path for name, (path, _) in checkpoints.items() if name != CLI_VARIANT}
+    results = {CLI_VARIANT: lines, **api_job(models, PROMPTS, {"max_new_tokens": MAX_NEW}, tp, tmp_path)}
     for variant, (_, expected) in checkpoints.items():
         lines = results[variant]
         assert [line["index"] for line in lines] == list(range(len(PROMPTS))), variant

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, make_moe_checkpoint, run_cli
+from helpers import ROOT, api_job, make_moe_checkpoint, run_cli
 from tp_engine.llm import LLM
 from tp_engine.loader import CheckpointError, checkpoint_map, load_checkpoint
 from tp_engine.model_config import ModelConfig, ModelError
@@ -69,20 +69,19 @@ def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) 
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_equals_transformers(ckpts, reference, case, tp, tmp_path):
-    prompts = [{"input_ids": p} for p in PROMPTS]
+def test_greedy_equals_transformers(ckpts, reference, tp, tmp_path):
     sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     if tp == 1:
-        outs = LLM(model=str(ckpts[case]), device="cpu").generate(prompts, SamplingParams(**sampling))
+        results = {case: LLM(model=str(path), device="cpu").generate([{"input_ids": p} for p in PROMPTS],
+                                                                    SamplingParams(**sampling))
+                   for case, path in ckpts.items()}
+    else:  # every case in one torchrun job
+        results = api_job(ckpts, PROMPTS, sampling, tp, tmp_path)
+    for case, outs in results.items():
+        model, theirs = reference[case]
         ours = [o["output_token_ids"] for o in outs]
-    else:
-        proc, lines = run_cli({"model": str(ckpts[case]), "prompts": prompts, "sampling": sampling}, tmp_path, nproc=tp)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        ours = [line["output_token_ids"] for line in lines]
-    model, theirs = reference[case]
-    matched = sum(check_against(model, p, a, b) for p, a, b in zip(PROMPTS, ours, theirs))
-    assert matched >= len(PROMPTS) * NEW_TOKENS * 3 // 4
+        matched = sum(check_against(model, p, a, b) for p, a, b in zip(PROMPTS, ours, theirs))
+        assert matched >= len(PROMPTS) * NEW_TOKENS * 3 // 4, case
 
 
 # ---- config.json ----
