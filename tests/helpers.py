@@ -122,11 +122,11 @@ def api_job(models: dict[str, Path], prompts: list[list[int]], sampling: dict, t
     return json.loads((tmp_path / "results.json").read_text())
 
 
-def run_cli(cfg: dict, tmp_path: Path, nproc: int = 1, args: tuple = (), timeout: float = 180,
+def run_cli(cfg: dict, tmp_path: Path, nproc: int = 0, args: tuple = (), timeout: float = 180,
             name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run launch/generate.py under torchrun with `cfg` written to YAML; returns the process and output lines.
-    nproc 0: in one plain process, without torchrun (one rank; no launcher to start, for the tests of errors
-    every rank finds alike)."""
+    """Run launch/generate.py with `cfg` written to YAML; returns the process and output lines. nproc 0: one
+    rank in one plain process (no launcher to start: the tests that test no launcher behaviour); nproc N:
+    under torchrun with N ranks."""
     cfg = dict(cfg)
     cfg.setdefault("output", str(tmp_path / f"{name}.jsonl"))
     cfg.setdefault("device", "cpu")

@@ -482,7 +482,7 @@ def test_dummy_weights_from_config_alone(tmp_path):
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [len(x["output_token_ids"]) for x in lines] == [5, 5]
-    proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, nproc=0, name="auto")
+    proc, _ = run_cli({**cfg, "load_format": "auto"}, tmp_path, name="auto")
     assert proc.returncode != 0 and "no *.safetensors weights" in proc.stderr
 
 

@@ -46,7 +46,7 @@ def test_chat_template_with_options(tmp_path):
     cfg = {"model": str(DEMO), "chat": True, "chat_template_kwargs": {"enable_thinking": False},
            "prompts": ["Who are you?", {"messages": [{"role": "user", "content": "Hi"}]}],
            "sampling": {"max_new_tokens": 4}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=0)
+    proc, lines = run_cli(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = tok.apply_chat_template([{"role": "user", "content": "Who are you?"}], tokenize=False,
                                    add_generation_prompt=True, enable_thinking=False)
@@ -62,7 +62,7 @@ def test_stop_strings_end_a_request(tmp_path):
     assert lines[0]["finish_reason"] == "stop"
     assert lines[0]["text"] == " of sitting by her"  # cut before the stop string
     n = len(lines[0]["output_token_ids"])  # the stop string completes on the last allowed token: still "stop"
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": n, "stop": [" sister"]}}, tmp_path, 0, name="edge")
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": n, "stop": [" sister"]}}, tmp_path, name="edge")
     assert (lines[0]["finish_reason"], lines[0]["text"]) == ("stop", " of sitting by her")
 
 

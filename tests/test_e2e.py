@@ -63,11 +63,11 @@ def test_eos_from_generation_config_stops_like_transformers(tmp_path):
     assert [line["output_token_ids"] for line in lines] == want
     assert lines[0]["finish_reason"] == "stop" and lines[0]["output_token_ids"][-1] == eos
     # ignore_eos runs on to max_new_tokens, through the EOS token
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}, tmp_path, 0, name="ign")
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}, tmp_path, name="ign")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[0]["output_token_ids"] == free_run and lines[0]["finish_reason"] == "length"
     # stop_token_ids end a request like EOS
     stop = free_run[1]
     proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True, "stop_token_ids": [stop]}},
-                          tmp_path, 0, name="stopids")
+                          tmp_path, name="stopids")
     assert lines[0]["output_token_ids"] == free_run[:2] and lines[0]["finish_reason"] == "stop"

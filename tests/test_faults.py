@@ -117,7 +117,7 @@ def test_malformed_prompts_file_names_the_line(ckpt, tmp_path):
 
 
 def test_set_override_with_unknown_key(ckpt, tmp_path):
-    proc, _ = run_cli(base(ckpt), tmp_path, nproc=0, args=("--set", "kv_cache.num_page=4"))
+    proc, _ = run_cli(base(ckpt), tmp_path, args=("--set", "kv_cache.num_page=4"))
     assert_fails_once(proc, "kv_cache.num_page", "kv_cache.num_pages")
 
 
@@ -227,7 +227,7 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
     assert "69 tokens" in lines[3]["error"]
     assert "tokenizer" in lines[4]["error"]
     assert "40 tokens" in lines[5]["error"] and "KV pool 32 tokens" in lines[5]["error"]
-    _, clean = run_cli(base(ckpt, prompts=good), tmp_path, nproc=0, name="clean")
+    _, clean = run_cli(base(ckpt, prompts=good), tmp_path, name="clean")
     assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == [c["output_token_ids"] for c in clean]
 
 
@@ -323,7 +323,7 @@ def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert [line["index"] for line in lines] == list(range(16))
     assert json.loads(proc2.stderr.split("summary: ")[1].splitlines()[0])["resumed_skipped"] == len(partial)
-    _, fresh = run_cli({**cfg, "output": str(tmp_path / "fresh.jsonl")}, tmp_path, nproc=0, name="fresh")
+    _, fresh = run_cli({**cfg, "output": str(tmp_path / "fresh.jsonl")}, tmp_path, name="fresh")
     assert lines == fresh
 
 

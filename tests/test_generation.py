@@ -25,7 +25,7 @@ def test_batch_equals_each_prompt_alone(ckpt, alone, tp, max_batch, tmp_path):
     # max_batch 2: requests join and leave the running batch while others decode (continuous batching)
     cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "max_batch_size": max_batch,
            "sampling": {"max_new_tokens": 16}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=tp if tp > 1 else 0)  # one rank: a plain process
+    proc, lines = run_cli(cfg, tmp_path, nproc=tp if tp > 1 else 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line["output_token_ids"] for line in lines] == alone
 

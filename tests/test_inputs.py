@@ -200,7 +200,7 @@ def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
     object were resolved silently; a lone surrogate gave the tokenizer's TypeError."""
     prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
                {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob"]
-    proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path)
+    proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path, nproc=1)
     assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-2000:]  # finished, with errors
     assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length"]
     assert lines[1]["error"] == "a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got " \
@@ -711,7 +711,7 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
     """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop string."""
     cfg = {"model": str(DEMO), "chat": True, "stream": True, "prompts": ["Alice was beginning to get very tired"],
            "sampling": {"max_new_tokens": 12, "stop": ["e"]}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=0)
+    proc, lines = run_cli(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert lines[0]["finish_reason"] == "stop" and lines[0]["reasoning"] == ""
     assert proc.stdout == lines[0]["text"] + "\n"
@@ -720,7 +720,7 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
 def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
     """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line; the command line
     used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""
-    proc, lines = run_cli({"model": str(DEMO), "prompts": [5, 6, 7]}, tmp_path, nproc=0)
+    proc, lines = run_cli({"model": str(DEMO), "prompts": [5, 6, 7]}, tmp_path)
     assert "encoded holds" not in proc.stderr, proc.stderr[-2000:]
     assert [(line["index"], line["finish_reason"]) for line in lines] == [(0, "error"), (1, "error"), (2, "error")]
     assert all("a prompt must be a string, a list of token ids or an object; got int" in line["error"]
@@ -800,7 +800,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
     proc, _ = run_cli({"model": str(model), "output": str(out), "prompts": [{"input_ids": [5, 6]}],
-                       "sampling": {"stop": ["ab"]}}, tmp_path, read_output=False, nproc=0)
+                       "sampling": {"stop": ["ab"]}}, tmp_path, read_output=False)
     err = proc.stderr
     assert proc.returncode != 0 and "sampling.stop needs the checkpoint's tokenizer" in err, err[-3000:]
     assert "no tokenizer files" in err and "TypeError" not in err, err[-3000:]

@@ -110,7 +110,7 @@ def test_symlinked_output_is_written_through(ckpt, tmp_path):
     real.parent.mkdir()
     link = tmp_path / "link.jsonl"
     link.symlink_to(real)
-    proc, lines = run_cli(base(ckpt, output=str(link)), tmp_path, nproc=0)
+    proc, lines = run_cli(base(ckpt, output=str(link)), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert link.is_symlink() and [line["index"] for line in lines] == [0, 1, 2]
     # next to the target: the results and their settings; no lock or temporary file left behind
@@ -139,7 +139,7 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
     assert proc.returncode != 0 and "injected fault" in err, err[-3000:]
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
     # refused at start-up, after the lock was taken (a limit the model cannot hold): no lock file is left
-    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False, nproc=0)
+    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
     refused(proc, "max_model_len")
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
     assert not (tmp_path / "out.jsonl.lock").exists()
@@ -150,10 +150,10 @@ def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
     the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
     (tmp_path / "runs").mkdir()
     out = tmp_path / "runs" / "new" / "deeper" / "out.jsonl"
-    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False, nproc=0)
+    proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
     refused(proc, "max_model_len")
     assert list((tmp_path / "runs").iterdir()) == []
-    proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, read_output=False, nproc=0)  # a run that writes keeps them
+    proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, read_output=False)  # a run that writes keeps them
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(out.read_text().splitlines()) == len(PROMPTS) and not out.with_name("out.jsonl.lock").exists()
 
@@ -198,7 +198,7 @@ def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):
     try:
         wait_for_lines(out, 1, first)
         holder = worker_pids(first.pid)[0]
-        proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, name="second", nproc=0)
+        proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, name="second")
         # at start-up, without waiting for the lock: before any weights load
         refused(proc, str(out), "in use by another run", f"(pid {holder})")
         n = len(out.read_text().splitlines())
@@ -464,7 +464,7 @@ def test_resume_refuses_lines_this_run_would_not_write(finished, tmp_path, case)
     cfg, out = finished
     before = out.read_bytes()
     change, needles = RESUME_CASES[case]
-    proc, _ = run_cli({**cfg, **change, "resume": True}, tmp_path, nproc=0)
+    proc, _ = run_cli({**cfg, **change, "resume": True}, tmp_path)
     refused(proc, f"resume: {out}", "resume: false", *needles)
     assert out.read_bytes() == before  # nothing deleted, nothing mixed in
 
@@ -474,7 +474,7 @@ def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, 
     cfg, out = finished
     before = out.read_bytes()
     max_pos = json.loads((Path(cfg["model"]) / "config.json").read_text())["max_position_embeddings"]
-    proc, _ = run_cli({**cfg, "max_model_len": max_pos, "resume": True}, tmp_path, nproc=0)
+    proc, _ = run_cli({**cfg, "max_model_len": max_pos, "resume": True}, tmp_path)
     assert proc.returncode == 0 and '"resumed_skipped": 3' in proc.stderr, proc.stderr[-3000:]
     assert out.read_bytes() == before
 

@@ -27,7 +27,7 @@ def by_key(lines):
 def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_path):
     base = {"model": str(ckpt), "prompts": PROMPTS, "seed": 5}
     one = LLM(model=str(ckpt), device="cpu").generate(PROMPTS, SamplingParams(seed=5, **SAMPLED))
-    proc, two = run_cli({**base, "sampling": {**SAMPLED, "n": 2}}, tmp_path, nproc=0, name="n2")
+    proc, two = run_cli({**base, "sampling": {**SAMPLED, "n": 2}}, tmp_path, name="n2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, four = run_cli({**base, "sampling": {**SAMPLED, "n": 4}}, tmp_path, nproc=2, name="n4")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,26 +41,26 @@ def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_pa
     out = tmp_path / "n4.jsonl"
     full = out.read_text().splitlines()
     out.write_text("\n".join(full[:5] + full[7:]) + "\n")
-    proc, resumed = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n4", nproc=0)
+    proc, resumed = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"resumed_skipped": 10' in proc.stderr and out.read_text().splitlines() == full
     # n is not part of the run settings: the n = 2 file resumed with n = 4 runs samples 2 and 3 only
-    proc, _ = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n2", nproc=0)
+    proc, _ = run_cli({**base, "sampling": {**SAMPLED, "n": 4}, "resume": True}, tmp_path, name="n2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"resumed_skipped": 6' in proc.stderr and (tmp_path / "n2.jsonl").read_text().splitlines() == full
 
 
 def test_greedy_n_gives_equal_lines_and_resume_checks_n(ckpt, tmp_path):
     cfg = {"model": str(ckpt), "prompts": PROMPTS[:1], "sampling": {"max_new_tokens": 4, "n": 3}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=0)
+    proc, lines = run_cli(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(lines) == 3 and len({tuple(x["output_token_ids"]) for x in lines}) == 1
-    proc, _ = run_cli({**cfg, "sampling": {"max_new_tokens": 4, "n": 2}, "resume": True}, tmp_path, nproc=0)
+    proc, _ = run_cli({**cfg, "sampling": {"max_new_tokens": 4, "n": 2}, "resume": True}, tmp_path)
     assert proc.returncode != 0 and "is sample 2 of prompt 0, but sampling.n is 2 now" in proc.stderr
     # a file from before `sample` and `logprobs` existed (n = 1, no sample field) resumes: nothing to run
     out = tmp_path / "run.jsonl"
     out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "sample"}) + "\n" for x in lines[:1]))
-    proc, again = run_cli({**cfg, "sampling": {"max_new_tokens": 4}, "resume": True}, tmp_path, nproc=0)
+    proc, again = run_cli({**cfg, "sampling": {"max_new_tokens": 4}, "resume": True}, tmp_path)
     assert proc.returncode == 0 and '"resumed_skipped": 1' in proc.stderr, proc.stderr[-3000:]
 
 
@@ -141,12 +141,12 @@ def test_generation_config_fills_the_sampling_keys_not_set(ckpt, tmp_path, caplo
 def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
     model = with_generation_config(ckpt, tmp_path, QWEN3)
     cfg = {"model": model, "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}}
-    proc, defaulted = run_cli(cfg, tmp_path, name="a", nproc=0)
+    proc, defaulted = run_cli(cfg, tmp_path, name="a")
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = LLM(model=str(ckpt), device="cpu").generate(
         PROMPTS, SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=8))
     assert [x["output_token_ids"] for x in defaulted] == [w["output_token_ids"] for w in want]
-    proc, greedy = run_cli(cfg, tmp_path, args=("--set", "sampling.temperature=0"), name="b", nproc=0)
+    proc, greedy = run_cli(cfg, tmp_path, args=("--set", "sampling.temperature=0"), name="b")
     plain = LLM(model=str(ckpt), device="cpu").generate(PROMPTS, SamplingParams(max_new_tokens=8))
     assert [x["output_token_ids"] for x in greedy] == [w["output_token_ids"] for w in plain]
     assert greedy[0]["run"] != defaulted[0]["run"]
