@@ -144,3 +144,23 @@ def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
     params = [SamplingParams(temperature=0.7)] * len(seeds)
     got = sample(logits.to(DEV), params, seeds, [0] * len(seeds)).cpu()
     assert torch.equal(got, sample(logits, params, seeds, [0] * len(seeds)))
+
+
+def test_greedy_argmax_kernel_equals_torch_over_many_calls():
+    """kernels/sampling.argmax merges each row's chunks in the row's last program (an atomic counter it resets):
+    over calls queued back to back, with more rows than its first counters and ties, NaN and -inf rows, every
+    result equals torch.argmax."""
+    from tp_engine.kernels import select
+
+    ops = select(DEV, "on")
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(300, 151936, generator=gen).to(DEV) * 4,
+            torch.randint(0, 3, (40, 151936), generator=gen).float().to(DEV),
+            torch.randn(7, 1000, generator=gen).to(DEV)]
+    rows[0][3] = float("-inf")
+    rows[0][4, 70000] = float("nan")
+    rows[0][5, [4095, 4096, 151935]] = 100.0
+    want = [x.argmax(dim=-1) for x in rows]
+    got = [ops.argmax(rows[i % 3]) for i in range(60)]  # no synchronisation in between
+    for i, g in enumerate(got):
+        assert torch.equal(g, want[i % 3]), i

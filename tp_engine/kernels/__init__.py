@@ -10,8 +10,8 @@ where torch would), so swapping one for the other changes results only through t
   measures faster than cuBLAS (the choice is made once per shape, by timing both).
 - kernels/mlp.py: `gate_up_silu`, the MLP's gate/up matmul and silu * up in one kernel at one token, where
   that measures faster than the two.
-- kernels/sampling.py: `gumbel_argmax` (the sampler's temperature + hashed Gumbel noise + argmax, reading
-  the logits once), `topk_candidates` and `draw_among` (top-k / top-p sampling: each row's top-k ids in
+- kernels/sampling.py: `argmax` (greedy) and `gumbel_argmax` (the sampler's temperature + hashed Gumbel
+  noise + argmax), each one launch reading the logits once, `topk_candidates` and `draw_among` (top-k / top-p sampling: each row's top-k ids in
   one pass, then the draw among them) and `resolve_tokens` (the previous step's sampled tokens into the
   step's input ids).
 - kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
@@ -72,7 +72,7 @@ def _ops() -> SimpleNamespace:
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, gate_up_silu=mlp.gate_up_silu, linear=gemv.linear,
-                           gumbel_argmax=sampling.gumbel_argmax,
+                           argmax=sampling.argmax, gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens,
                            topk_candidates=sampling.topk_candidates, draw_among=sampling.draw_among,
                            moe_topk_softmax=moe.topk_softmax,
@@ -81,7 +81,7 @@ def _ops() -> SimpleNamespace:
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, gumbel_argmax, resolve_tokens, topk_candidates,
+    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, argmax, gumbel_argmax, resolve_tokens, topk_candidates,
     draw_among, moe_topk_softmax, fused_moe and fp8_linear.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
@@ -146,6 +146,7 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         got = ops.gumbel_argmax(logits, torch.tensor([1], device=device), torch.tensor([1.0], device=device),
                                 torch.tensor([12345], device=device))
         assert 0 <= int(got[0]) < 5000
+        assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
         rows2, temps2 = torch.tensor([0, 1], device=device), torch.tensor([0.5, 2.0], device=device)
         top = ops.topk_candidates(logits, rows2, temps2, 7)
         assert torch.equal(top, logits.topk(7, dim=-1).indices)  # no ties in random normals

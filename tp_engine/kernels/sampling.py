@@ -1,6 +1,6 @@
-"""The sampler's draws and the step's token references, fused: temperature + hashed Gumbel noise + argmax over
-the vocabulary; the top-k candidates of each row in one pass over the logits; and the previous step's tokens
-into the step's input ids."""
+"""The sampler's draws and the step's token references, fused: the arg-max over the vocabulary (greedy, or of
+temperature + hashed Gumbel noise) in one launch; the top-k candidates of each row in one pass over the
+logits; and the previous step's tokens into the step's input ids."""
 from __future__ import annotations
 
 import torch
@@ -25,20 +25,42 @@ if triton is not None:
         return x - _log(-_log(u))
 
     @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, vocab,
-                              num_chunks, BLOCK: tl.constexpr):
+    def _argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, vocab,
+                       num_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, NOISE: tl.constexpr):
+        """The arg-max of row rows[r] of the logits (NOISE: of logits / T + Gumbel noise), torch.argmax's pick:
+        the first NaN, else the lowest id of the maximum. A program takes one chunk of the row and stores its
+        best; the row's last program to finish (an atomic counter, reset for the next call) picks among them."""
         r = tl.program_id(0)
         chunk = tl.program_id(1)
-        row = tl.load(rows_ptr + r).to(tl.int64)
-        temp = tl.load(temp_ptr + r)
-        h = tl.load(hash_ptr + r).to(tl.uint32)
+        if NOISE:
+            row = tl.load(rows_ptr + r).to(tl.int64)
+        else:  # every row, in order
+            row = r.to(tl.int64)
         ids = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
-        x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0)
-        g = tl.where(mask, _gumbel(tl.math.div_rn(x, temp), h, ids), float("-inf"))
-        best, arg = tl.max(g, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(val_ptr + r * num_chunks + chunk, best)
-        tl.store(idx_ptr + r * num_chunks + chunk, (chunk * BLOCK + arg).to(tl.int64))
+        x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf"))
+        if NOISE:
+            x = tl.where(mask, _gumbel(tl.math.div_rn(x, tl.load(temp_ptr + r)), tl.load(hash_ptr + r).to(tl.uint32),
+                                       ids), float("-inf"))
+        nan = x != x
+        first_nan = tl.min(tl.where(nan, ids, vocab), axis=0)
+        best, arg = tl.max(tl.where(nan, float("-inf"), x), axis=0, return_indices=True,
+                           return_indices_tie_break_left=True)
+        part = r * num_chunks + chunk
+        tl.store(val_ptr + part, tl.where(first_nan < vocab, float("nan"), best))
+        tl.store(idx_ptr + part, tl.where(first_nan < vocab, first_nan, chunk * BLOCK + arg))
+        tl.debug_barrier()  # the partials are written before the counter moves
+        if tl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
+            c = tl.arange(0, CHUNKS)
+            valid = c < num_chunks
+            v = tl.load(val_ptr + r * num_chunks + c, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            i = tl.load(idx_ptr + r * num_chunks + c, mask=valid, other=0, cache_modifier=".cg")
+            nan_chunk = tl.min(tl.where(v != v, c, CHUNKS), axis=0)
+            top = tl.max(tl.where(v != v, float("-inf"), v), axis=0)
+            top_chunk = tl.min(tl.where(valid & (v == top), c, CHUNKS), axis=0)
+            pick = tl.where(nan_chunk < CHUNKS, nan_chunk, top_chunk)
+            tl.store(out_ptr + r, tl.sum(tl.where(c == pick, i, 0), axis=0))
+            tl.store(count_ptr + r, 0)
 
     @triton.jit
     def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks, K: tl.constexpr,
@@ -100,7 +122,34 @@ if triton is not None:
         tl.store(ids_ptr + offs, tl.where(ref, tok, ids), mask=m)
 
 
-GUMBEL_BLOCK = 4096
+ARGMAX_BLOCK = 4096
+_COUNTERS: dict = {}  # per device: one zeroed int32 counter per row, each left at zero by the kernel
+
+
+def _argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor | None,
+            row_hash: torch.Tensor | None) -> torch.Tensor:
+    vocab, r = logits.shape[-1], rows.numel()
+    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    out = torch.empty(r, dtype=torch.int64, device=logits.device)
+    if r == 0:
+        return out
+    chunks = triton.cdiv(vocab, ARGMAX_BLOCK)
+    vals = torch.empty(r * chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(r * chunks, dtype=torch.int64, device=logits.device)
+    count = _COUNTERS.get(logits.device)
+    if count is None or count.numel() < r:
+        count = _COUNTERS[logits.device] = torch.zeros(max(r, 256), dtype=torch.int32, device=logits.device)
+    noise = temperatures is not None
+    _argmax_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures if noise else rows,
+                                row_hash if noise else rows, vals, idx, count, out, vocab, chunks,
+                                BLOCK=ARGMAX_BLOCK, CHUNKS=triton.next_power_of_2(chunks), NOISE=noise, num_warps=8)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, vocab] fp32 -> [B] int64, as logits.argmax(dim=-1), in one kernel."""
+    rows = logits.new_empty(logits.shape[0], dtype=torch.int64)  # never read: the kernel takes every row
+    return _argmax(logits, rows, None, None)
 
 
 def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
@@ -110,16 +159,7 @@ def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.
     rows: [R] int64 row indices into logits ([B, vocab] fp32); temperatures: [R] fp32; row_hash: [R] int64,
     the per-row hash `sampler.uniform_noise` starts from.
     """
-    vocab = logits.shape[-1]
-    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
-    r = rows.numel()
-    chunks = triton.cdiv(vocab, GUMBEL_BLOCK)
-    vals = torch.empty((r, chunks), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((r, chunks), dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, row_hash, vals, idx, vocab,
-                                       chunks, BLOCK=GUMBEL_BLOCK, num_warps=8)
-    # the first chunk holding the maximum has the lowest ids: the same tie-break as torch.argmax
-    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+    return _argmax(logits, rows, temperatures, row_hash)
 
 
 TOPK_BLOCK = 2048
