@@ -280,7 +280,8 @@ class Engine:
         sampled = sample(logits, [r.params for r in reqs], seeds, steps)
         k = max(r.params.logprobs for r in reqs)
         logprobs = token_logprobs(logits, sampled, k) if k else ()  # before temperature and filters
-        return to_host(plan, self.share_tokens(sampled, len(reqs)), logprobs)
+        self.share_tokens(sampled, len(reqs))
+        return to_host(plan, sampled, logprobs)  # not last_tokens, which the next step overwrites
 
     def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[Request], bool] | None,
                     on_finish: Callable[[Request], None] | None) -> None:

@@ -18,17 +18,32 @@ class Issued:
 
 
 def to_host(plan: Plan, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...]) -> Issued:
-    """Queue the copies to the host without waiting for the GPU: into pinned memory, then one event."""
+    """Queue the copies to the host without waiting for the GPU: into pinned memory, then one event. On CUDA
+    they run on a stream of their own, behind the work queued so far, so that the next step's work does not
+    queue behind them; `tokens` and `logprobs` must not be written again (the sampler's fresh tensors)."""
     if not tokens.is_cuda:
         return Issued(plan, tokens.clone(), None, logprobs)
+    side = _copy_stream(tokens.device)
+    side.wait_stream(torch.cuda.current_stream(tokens.device))
     host = []
-    for t in (tokens, *logprobs):
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=True)
-        host.append(h)
-    done = torch.cuda.Event()
-    done.record()
+    with torch.cuda.stream(side):
+        for t in (tokens, *logprobs):
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            t.record_stream(side)  # the allocator keeps t's memory until the copy has run
+            host.append(h)
+        done = torch.cuda.Event()
+        done.record(side)
     return Issued(plan, host[0], done, tuple(host[1:]))
+
+
+_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
 
 
 def add_logprobs(step: Issued, got: list[Request]) -> None:
