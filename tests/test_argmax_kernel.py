@@ -1,16 +1,14 @@
 """The arg-max kernels (tp_engine/kernels/sampling.py: `argmax`, `gumbel_argmax`) in Triton's interpreter, without a
 GPU, against torch.argmax and the sampler's torch path. Skips without Triton (it comes with CUDA builds of torch)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from triton_interpreter import run_script
 
 pytest.importorskip("triton")
 
 SCRIPT = r'''
 import torch
+import triton_interpreter  # the test-side patches of the interpreter
 from tp_engine.kernels import sampling
 from tp_engine.topk_sampling import noise_at, row_hash
 
@@ -41,16 +39,11 @@ for step in range(4):
     want = (x[rows] / temps[:, None] - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)
     got = sampling.gumbel_argmax(x, rows, temps, hashes)
     assert torch.equal(got, want), (step, got, want)
-print("ok")
+print("interpreter ok")
 '''
 
 
 def test_argmax_kernels_pick_as_torch_argmax_in_interpreter(tmp_path):
     """Greedy and temperature draws in one launch each: the chunks' bests merged by the row's last program pick
     exactly torch.argmax's id (the lowest id of the maximum, the first NaN before all), across chunk boundaries."""
-    script = tmp_path / "argmax.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
+    run_script(SCRIPT, tmp_path)
