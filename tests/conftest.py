@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,18 @@ import pytest  # noqa: E402
 # The longest tests (the kernels in Triton's interpreter, 20-45 s each) start first, so that neither worker of
 # pytest -n 2 is left running one of them alone at the end.
 FIRST = ("test_moe_kernels.py", "test_fp8_kernels.py", "test_mlp_kernel.py", "test_sampling_kernels.py")
+
+
+def pytest_configure(config) -> None:
+    """Under pytest -n N each worker gets its share of the cores for torch's threads, in this process and the ones
+    it starts. Two threads a worker on two cores left each in-process test waiting on a thread the other worker
+    had descheduled: a test of 10 s alone took over 100 s next to another worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ["OMP_NUM_THREADS"] = share
+        import torch
+        torch.set_num_threads(int(share))
 
 
 def pytest_collection_modifyitems(items: list) -> None:
