@@ -1,6 +1,6 @@
 """Block-FP8 checkpoints on CPU: the quantizer's format, each rank's shard of the weights and of the scale grid
 (shards that cut through 128-blocks, KV heads replicated), greedy tokens against transformers in float64 on the
-dequantized weights at TP 1, 2 and 4 through the CLI, and the loader's errors.
+dequantized weights at TP 1, 2 and 4 through the Python API, and the loader's errors.
 
 The model's shapes make every TP split cut blocks: hidden 192 (1.5 blocks), q 8 x 48 = 384 rows, k and v
 2 x 48 = 96 rows, intermediate 640 (5 blocks; 320 and 160 rows per rank).
@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import make_checkpoint, run_cli
+from helpers import api_job, make_checkpoint
 from tp_engine import comm
 from tp_engine.comm import StartupError, TPGroup
 from tp_engine.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -187,20 +187,6 @@ def check_against(model, prompt, ours, theirs) -> None:
                 logits = model(torch.tensor([prompt + ours[:j]])).logits[0, -1]
             assert abs(float(logits[a] - logits[b])) < NEAR_TIE, f"token {j}: {a} vs {b}"
             return
-
-
-@pytest.mark.parametrize("tp,variant", [(1, "fp8"), (2, "scales_first"), (4, "fp8")])
-def test_greedy_equals_transformers_float64(ckpts, expected, tp, variant, tmp_path):
-    model, want = expected
-    cfg = {"model": str(ckpts[variant]), "prompts": [{"input_ids": p} for p in PROMPTS],
-           "sampling": {"max_new_tokens": MAX_NEW}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=tp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [line["output_token_ids"] for line in lines]
-    assert len(got) == len(PROMPTS)
-    for prompt, ours, theirs in zip(PROMPTS, got, want):
-        check_against(model, prompt, ours, theirs)
-    assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) - 1  # ties are rare: most match outright
 
 
 # ---- errors ----
@@ -464,17 +450,33 @@ def moe_ckpts(tmp_path_factory):
     return root / "fp8", model, want
 
 
+DENSE_AT = {1: "fp8", 2: "scales_first", 4: "fp8"}  # which dense FP8 checkpoint runs at each TP
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_moe_experts_greedy_equals_transformers_float64(moe_ckpts, tp, tmp_path):
-    path, model, want = moe_ckpts
-    cfg = {"model": str(path), "prompts": [{"input_ids": p} for p in PROMPTS],
-           "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
-    proc, lines = run_cli(cfg, tmp_path, nproc=tp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [line["output_token_ids"] for line in lines]
-    for prompt, ours, theirs in zip(PROMPTS, got, want):
-        check_against(model, prompt, ours, theirs)
-    assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) - 1
+def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_path):
+    """The dense FP8 checkpoint (at TP 2 the one whose scales are read before the weights) and the MoE one with
+    FP8 experts, both in one torchrun job per TP (a job each spent most of its time starting processes); TP 1
+    in this process."""
+    models = {"dense": ckpts[DENSE_AT[tp]], "moe": moe_ckpts[0]}
+    sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True}  # the references run MAX_NEW steps
+    if tp == 1:
+        from tp_engine.llm import LLM
+        from tp_engine.sampler import SamplingParams
+        results = {}
+        for name, path in models.items():
+            llm = LLM(model=str(path), device="cpu")
+            results[name] = llm.generate([{"input_ids": p} for p in PROMPTS], SamplingParams(**sampling))
+            llm.shutdown()
+    else:
+        results = api_job(models, PROMPTS, sampling, tp, tmp_path)
+    references = {"dense": expected, "moe": moe_ckpts[1:]}
+    for name, (model, want) in references.items():
+        got = [o["output_token_ids"] for o in results[name]]
+        assert len(got) == len(PROMPTS), name
+        for prompt, ours, theirs in zip(PROMPTS, got, want):
+            check_against(model, prompt, ours, theirs)
+        assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) - 1, name  # ties are rare: most match
 
 
 def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp_path):
