@@ -1,7 +1,8 @@
 """The dense MLP's fused gate/up + SiLU at one token (tp_engine/kernels/mlp.py), checked without a GPU: every tile
-in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the torch MLP, with bf16, fp32 and block-FP8
-weights, on shapes below the tile sizes (the masks) and an FP8 shard whose scale rows change inside a part.
-tests/test_moe_kernels.py compiles the tiles for sm_90; tests/test_gpu.py runs them on a GPU."""
+in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors; tiles it runs alike, once) against the torch MLP, with
+bf16, fp32 and block-FP8 weights, on shapes below the tile sizes (the masks) and an FP8 shard whose scale rows
+change inside a part. tests/test_moe_kernels.py compiles the tiles for sm_90; tests/test_gpu.py runs them on a
+GPU."""
 import pytest
 
 pytest.importorskip("triton")
@@ -11,6 +12,7 @@ from triton_interpreter import run_script  # noqa: E402
 INTERPRETER_SCRIPT = r'''
 import torch
 import torch.nn.functional as F
+import triton
 import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
 
 from tp_engine.kernels import mlp
@@ -22,13 +24,22 @@ def torch_mlp(x, w):  # models/qwen3.Qwen3MLP without the fused kernels
     return F.silu(gate) * up
 
 
+def interpreted(tiles, k):
+    """The tiles as the interpreter runs them, each once: it has no warps, and `mlp.fused` clamps the reduction
+    step to the next power of two of the row (here every step of the dense tiles, two of the FP8 ones)."""
+    runs = {}
+    for bn, bk, warps in tiles:
+        runs.setdefault((bn, min(bk, triton.next_power_of_2(k))), (bn, bk, warps))
+    return list(runs.values())
+
+
 torch.manual_seed(0)
 I, K = 40, 72
 for dt in (torch.float32, torch.bfloat16):
     w = (torch.randn(2 * I, K) * 0.2).to(dt)
     x = torch.randn(1, K).to(dt)
     ref = torch_mlp(x, w)
-    for tile in mlp.TILES:
+    for tile in interpreted(mlp.TILES, K):
         got = mlp.fused(x, w, tile)
         assert got.shape == (1, I) and got.dtype == dt
         # the same roundings as the torch MLP; only the sums inside the products run in another order
@@ -46,7 +57,7 @@ for dt in (torch.float32, torch.bfloat16):
     x = torch.randn(1, H).to(dt)
     ref = torch_mlp(x, lay.dequantize(w, scale, dt))
     tiles = mlp.tiles((scale, lay.scale_row, lay.row_align, False))
-    for tile in tiles if dt == torch.float32 else tiles[-1:]:  # every tile where the tolerance is tight
+    for tile in interpreted(tiles, H) if dt == torch.float32 else tiles[-1:]:  # where the tolerance is tight
         got = mlp.fused(x, w, tile, (scale, lay.scale_row, lay.row_align, False))
         # the scales multiply the activations, so the weights skip the reference's rounding to bf16 (2**-9
         # of each)
