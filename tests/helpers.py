@@ -122,6 +122,19 @@ def api_job(models: dict[str, Path], prompts: list[list[int]], sampling: dict, t
     return json.loads((tmp_path / "results.json").read_text())
 
 
+def api_outputs(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int, tmp_path: Path) -> dict:
+    """As `api_job`; at TP 1 in this process (no job to start)."""
+    if tp > 1:
+        return api_job(models, prompts, sampling, tp, tmp_path)
+    from tp_engine import LLM, SamplingParams
+    results = {}
+    for name, path in models.items():
+        llm = LLM(model=str(path), device="cpu")
+        results[name] = llm.generate([{"input_ids": p} for p in prompts], SamplingParams(**sampling))
+        llm.shutdown()
+    return results
+
+
 def run_cli(cfg: dict, tmp_path: Path, nproc: int = 0, args: tuple = (), timeout: float = 180,
             name: str = "run", read_output: bool = True) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run launch/generate.py with `cfg` written to YAML; returns the process and output lines. nproc 0: one

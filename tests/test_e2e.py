@@ -1,10 +1,10 @@
 """End to end under torchrun: greedy tokens equal transformers' Qwen3 `generate`, for each checkpoint variant
 at TP 1, 2 and 4. One variant goes through the real CLI (launch/generate.py) at each TP; the others through
 the Python API, all of them in one torchrun job per TP (a job per variant spent most of its time starting
-processes)."""
+processes), at TP 1 in the test's process."""
 import pytest
 
-from helpers import api_job, hf_generate, make_checkpoint, run_cli
+from helpers import api_outputs, hf_generate, make_checkpoint, run_cli
 
 PROMPTS = [[5, 17, 300, 42, 8], [1, 2, 3], [250, 9, 77, 13, 101, 4, 3, 2, 1, 0, 66], [7]]
 MAX_NEW = 12
@@ -41,7 +41,7 @@ def test_greedy_equals_transformers(checkpoints, tp, tmp_path):
     proc, lines = run_cli(cfg, tmp_path, nproc=tp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     models = {name: path for name, (path, _) in checkpoints.items() if name != CLI_VARIANT}
-    results = {CLI_VARIANT: lines, **api_job(models, PROMPTS, {"max_new_tokens": MAX_NEW}, tp, tmp_path)}
+    results = {CLI_VARIANT: lines, **api_outputs(models, PROMPTS, {"max_new_tokens": MAX_NEW}, tp, tmp_path)}
     for variant, (_, expected) in checkpoints.items():
         lines = results[variant]
         assert [line["index"] for line in lines] == list(range(len(PROMPTS))), variant

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import api_job, make_checkpoint
+from helpers import api_outputs, make_checkpoint
 from tp_engine import comm
 from tp_engine.comm import StartupError, TPGroup
 from tp_engine.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -460,16 +460,7 @@ def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_
     in this process."""
     models = {"dense": ckpts[DENSE_AT[tp]], "moe": moe_ckpts[0]}
     sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True}  # the references run MAX_NEW steps
-    if tp == 1:
-        from tp_engine.llm import LLM
-        from tp_engine.sampler import SamplingParams
-        results = {}
-        for name, path in models.items():
-            llm = LLM(model=str(path), device="cpu")
-            results[name] = llm.generate([{"input_ids": p} for p in PROMPTS], SamplingParams(**sampling))
-            llm.shutdown()
-    else:
-        results = api_job(models, PROMPTS, sampling, tp, tmp_path)
+    results = api_outputs(models, PROMPTS, sampling, tp, tmp_path)
     references = {"dense": expected, "moe": moe_ckpts[1:]}
     for name, (model, want) in references.items():
         got = [o["output_token_ids"] for o in results[name]]
