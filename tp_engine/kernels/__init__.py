@@ -11,9 +11,9 @@ where torch would), so swapping one for the other changes results only through t
 - kernels/mlp.py: `gate_up_silu`, the MLP's gate/up matmul and silu * up in one kernel at one token, where
   that measures faster than the two.
 - kernels/sampling.py: `argmax` (greedy) and `gumbel_argmax` (the sampler's temperature + hashed Gumbel
-  noise + argmax), each one launch reading the logits once, `topk_candidates` and `draw_among` (top-k / top-p sampling: each row's top-k ids in
-  one pass, then the draw among them) and `resolve_tokens` (the previous step's sampled tokens into the
-  step's input ids).
+  noise + argmax), each one launch reading the logits once, `topk_candidates` and `draw_among` (top-k /
+  top-p sampling: each row's top-k ids in one pass, then the draw among them) and `resolve_tokens` (the
+  previous step's sampled tokens into the step's input ids).
 - kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
   `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
 - kernels/fp8.py (with kernels/fp8_gemm.py): `fp8_linear`, the matmul with block-FP8 weights (layers/fp8.py):
@@ -81,8 +81,8 @@ def _ops() -> SimpleNamespace:
 
 def fused_ops(device: torch.device):
     """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, argmax, gumbel_argmax, resolve_tokens, topk_candidates,
-    draw_among, moe_topk_softmax, fused_moe and fp8_linear.
+    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, argmax, gumbel_argmax, resolve_tokens,
+    topk_candidates, draw_among, moe_topk_softmax, fused_moe and fp8_linear.
 
     The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
     (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never
