@@ -9,12 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, api_job, make_moe_checkpoint, run_cli
-from tp_engine.llm import LLM
+from helpers import ROOT, api_outputs, make_moe_checkpoint, run_cli
 from tp_engine.loader import CheckpointError, checkpoint_map, load_checkpoint
 from tp_engine.model_config import ModelConfig, ModelError
 from tp_engine.models import build_model
-from tp_engine.sampler import SamplingParams
 
 NEAR_TIE = 1e-3  # the engine runs fp32 against a fp64 reference: logits agree to ~1e-5, so only closer ones may swap
 NEW_TOKENS = 10
@@ -71,12 +69,7 @@ def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers(ckpts, reference, tp, tmp_path):
     sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    if tp == 1:
-        results = {case: LLM(model=str(path), device="cpu").generate([{"input_ids": p} for p in PROMPTS],
-                                                                    SamplingParams(**sampling))
-                   for case, path in ckpts.items()}
-    else:  # every case in one torchrun job
-        results = api_job(ckpts, PROMPTS, sampling, tp, tmp_path)
+    results = api_outputs(ckpts, PROMPTS, sampling, tp, tmp_path)  # above TP 1, every case in one torchrun job
     for case, outs in results.items():
         model, theirs = reference[case]
         ours = [o["output_token_ids"] for o in outs]
