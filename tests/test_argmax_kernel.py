@@ -39,6 +39,13 @@ for step in range(4):
     want = (x[rows] / temps[:, None] - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)
     got = sampling.gumbel_argmax(x, rows, temps, hashes)
     assert torch.equal(got, want), (step, got, want)
+
+# bf16 logits (a CUDA graph's) are read as their fp32 values: the same picks as on the fp32 copy, ties included
+bf = x.to(torch.bfloat16)
+assert torch.equal(sampling.argmax(bf), bf.float().argmax(dim=-1))
+hashes = row_hash(torch.arange(len(rows)) * 7919 + 3, torch.full((len(rows),), 5))
+want = (bf.float()[rows] / temps[:, None] - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)
+assert torch.equal(sampling.gumbel_argmax(bf, rows, temps, hashes), want)
 print("interpreter ok")
 '''
 
@@ -47,3 +54,33 @@ def test_argmax_kernels_pick_as_torch_argmax_in_interpreter(tmp_path):
     """Greedy and temperature draws in one launch each: the chunks' bests merged by the row's last program pick
     exactly torch.argmax's id (the lowest id of the maximum, the first NaN before all), across chunk boundaries."""
     run_script(SCRIPT, tmp_path)
+
+
+RESOLVE_SCRIPT = r'''
+import torch
+import triton_interpreter  # the test-side patches of the interpreter
+from tp_engine.attention.flashinfer_backend import slot_rows
+from tp_engine.kernels import sampling
+
+last = torch.tensor([11, 12, 13, 14, 15])
+ids = torch.tensor([-1, 7, -5, -2, 0, -3, 9])  # references -1 - row to the previous step's tokens, and plain ids
+want = torch.where(ids >= 0, ids, last[(-1 - ids).clamp(min=0)])
+loc = torch.tensor([0, 15, 16, 31, 32, 1000, 4095])  # page starts and ends
+for page_size in (1, 16, 64):
+    got = ids.clone()
+    k, v = torch.full_like(loc, -1), torch.full_like(loc, -1)
+    sampling.resolve_tokens(got, last, (loc, page_size, k, v))
+    want_k, want_v = slot_rows(loc, page_size)
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v), (page_size, k, want_k, v, want_v)
+got = ids.clone()
+sampling.resolve_tokens(got, last)  # without slots: the ids alone
+assert torch.equal(got, want)
+print("interpreter ok")
+'''
+
+
+def test_resolve_kernel_also_gives_the_kv_rows_in_interpreter(tmp_path):
+    """A decode graph's first launch: the previous step's tokens into the input ids and each token's K and V cache
+    rows, as Engine.resolve's torch path and flashinfer_backend.slot_rows compute them."""
+    run_script(RESOLVE_SCRIPT, tmp_path)

@@ -38,7 +38,7 @@ if triton is not None:
             row = r.to(tl.int64)
         ids = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
-        x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf"))
+        x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
         if NOISE:
             x = tl.where(mask, _gumbel(tl.math.div_rn(x, tl.load(temp_ptr + r)), tl.load(hash_ptr + r).to(tl.uint32),
                                        ids), float("-inf"))
@@ -72,7 +72,7 @@ if triton is not None:
         temp = tl.load(temp_ptr + r)
         ids = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0), temp)
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0).to(tl.float32), temp)
         bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0
         bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: negative floats reverse their order
         key = (bits.to(tl.int64) << 32) | (vocab - 1 - ids).to(tl.int64)
@@ -93,7 +93,8 @@ if triton is not None:
         c = tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + r * C + c, mask=c < C, other=0)
         row = tl.load(rows_ptr + r).to(tl.int64)
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=c < C, other=0.0), tl.load(temp_ptr + r))
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=c < C, other=0.0).to(tl.float32),
+                           tl.load(temp_ptr + r))
         x = tl.where(c < tl.minimum(tl.load(k_ptr + r), C), x, float("-inf"))
         e = _exp(x - tl.max(x, axis=0))
         probs = tl.math.div_rn(e, tl.sum(e, axis=0))
@@ -113,13 +114,19 @@ if triton is not None:
         tl.store(out_ptr + r, tl.min(tl.where(g == best, ids, 1 << 62), axis=0))
 
     @triton.jit
-    def _resolve_tokens_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
+    def _resolve_tokens_kernel(ids_ptr, last_ptr, loc_ptr, k_ptr, v_ptr, n, page_size, BLOCK: tl.constexpr,
+                               ROWS: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         m = offs < n
         ids = tl.load(ids_ptr + offs, mask=m, other=0)
         ref = ids < 0
         tok = tl.load(last_ptr + tl.where(ref, -1 - ids, 0), mask=m & ref, other=0)
         tl.store(ids_ptr + offs, tl.where(ref, tok, ids), mask=m)
+        if ROWS:  # attention/flashinfer_backend.slot_rows: each slot's K and V rows in a [pages * 2 * S, ...] cache
+            loc = tl.load(loc_ptr + offs, mask=m, other=0)
+            k = loc + (loc // page_size) * page_size  # slots are >= 0: // is the floor division
+            tl.store(k_ptr + offs, k, mask=m)
+            tl.store(v_ptr + offs, k + page_size, mask=m)
 
 
 ARGMAX_BLOCK = 4096
@@ -129,7 +136,7 @@ _COUNTERS: dict = {}  # per device: one zeroed int32 counter per row, each left 
 def _argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor | None,
             row_hash: torch.Tensor | None) -> torch.Tensor:
     vocab, r = logits.shape[-1], rows.numel()
-    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    assert logits.stride(-1) == 1 and logits.is_floating_point()  # read as fp32: bf16 and fp16 exactly
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r == 0:
         return out
@@ -147,7 +154,8 @@ def _argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, vocab] fp32 -> [B] int64, as logits.argmax(dim=-1), in one kernel."""
+    """logits [B, vocab] (fp32, or bf16 / fp16, read as fp32) -> [B] int64, as logits.argmax(dim=-1), in one
+    kernel."""
     rows = logits.new_empty(logits.shape[0], dtype=torch.int64)  # never read: the kernel takes every row
     return _argmax(logits, rows, None, None)
 
@@ -156,7 +164,7 @@ def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.
                   row_hash: torch.Tensor) -> torch.Tensor:
     """argmax over the vocab of logits[rows] / T + Gumbel noise from the sampler's hash; returns [R] int64.
 
-    rows: [R] int64 row indices into logits ([B, vocab] fp32); temperatures: [R] fp32; row_hash: [R] int64,
+    rows: [R] int64 row indices into logits ([B, vocab], as in `argmax`); temperatures: [R] fp32; row_hash: [R] int64,
     the per-row hash `sampler.uniform_noise` starts from.
     """
     return _argmax(logits, rows, temperatures, row_hash)
@@ -171,7 +179,7 @@ def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torc
     lower id first among equal values: exactly topk_sampling's order, read from the logits once. Each chunk of
     a row keeps its own k best keys, then torch.topk ranks the R x chunks x k survivors."""
     vocab = logits.shape[-1]
-    assert logits.stride(-1) == 1 and logits.dtype == torch.float32 and 1 <= k <= min(TOPK_MAX_K, vocab)
+    assert logits.stride(-1) == 1 and logits.is_floating_point() and 1 <= k <= min(TOPK_MAX_K, vocab)
     r = rows.numel()
     chunks = triton.cdiv(vocab, TOPK_BLOCK)
     kp = triton.next_power_of_2(k)  # one compiled kernel per power of two
@@ -194,9 +202,14 @@ def draw_among(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Ten
     return out
 
 
-def resolve_tokens(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """In place: each id < 0 becomes last[-1 - id] (Engine.resolve), in one kernel."""
+def resolve_tokens(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
+    """In place: each id < 0 becomes last[-1 - id] (Engine.resolve), in one kernel. slots: (out_loc, page_size,
+    k_rows, v_rows) also fills k_rows and v_rows as attention/flashinfer_backend.slot_rows does, in the same
+    kernel (a decode graph's first launch)."""
     n = ids.numel()
     if n:
-        _resolve_tokens_kernel[(1,)](ids, last, n, BLOCK=triton.next_power_of_2(n))
+        loc, page_size, k_rows, v_rows = slots if slots is not None else (ids, 1, ids, ids)
+        assert loc.numel() == k_rows.numel() == v_rows.numel() == n
+        _resolve_tokens_kernel[(1,)](ids, last, loc, k_rows, v_rows, n, page_size, BLOCK=triton.next_power_of_2(n),
+                                     ROWS=slots is not None)
     return ids
