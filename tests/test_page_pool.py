@@ -109,7 +109,7 @@ def drive(num_pages: int, max_prefill: int, cache: bool, max_batch: int = 8, poo
         if plan.reqs:
             msg = sched.issue(plan)
             sizes.append((msg.numel(), plan))
-            batch = decode_message(msg, CPU, tables)
+            batch = decode_message(msg, tables)
             for r, t in zip(plan.reqs, batch.page_tables):  # the tables every rank holds are rank 0's
                 assert t.tolist() == r.pages
             ids = [t if t >= 0 else last[-1 - t] for t in batch.input_ids.tolist()]
@@ -172,7 +172,7 @@ def decode_message_sizes(context: int) -> list[int]:
     while sched.has_work():
         plan = sched.schedule()
         msg = sched.issue(plan)
-        decode_message(msg, CPU, tables)
+        decode_message(msg, tables)
         if not plan.is_prefill:
             sizes.append(msg.numel())
         sched.update(plan, [5] * len(plan.reqs))

@@ -42,7 +42,7 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -
         plan = sched.schedule()
         issued = None
         if plan.reqs:
-            batch = decode_message(sched.issue(plan), torch.device("cpu"), tables)
+            batch = decode_message(sched.issue(plan), tables)
             ids = [t if t >= 0 else device_tokens[-1 - t] for t in batch.input_ids.tolist()]
             pos = batch.positions.tolist()
             rows = batch.last_indices.tolist()

@@ -28,7 +28,7 @@ import torch
 from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
 from tp_engine.context import Batch, forward_context
-from tp_engine.kernels import decode_attention
+from tp_engine.kernels import decode_attention, fused_ops
 from tp_engine.kv_cache import page_table, pages_for
 
 log = logging.getLogger("tp_engine")
@@ -70,22 +70,23 @@ class GraphRunner:
         self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.cfg["advanced"]["all_reduce"],
                                                      engine.cfg["timeout_s"])
 
-        # static inputs, shared by all buckets (a bucket of size b reads the first b rows); one row each for
-        # token ids, positions and KV slots, so that one copy fills all three
+        # The static inputs, shared by all buckets (a bucket of size b reads the first b rows), in one device
+        # buffer that one host copy fills each step: the token rows [ids | positions | KV slots] (int64, 3 x M),
+        # then flashinfer's page table [indptr (M + 1) | last page lengths (M) | page ids] (int32): each row's
+        # pages (a page shared by several requests is listed for each), plus a scratch page per padded row.
         M = self.max_bs
         self.pad_loc = self.kv.scratch_page * S
-        self.inputs = torch.zeros(3, M, dtype=torch.int64, device=dev)
-        self.input_ids, self.positions, self.out_loc = self.inputs[0], self.inputs[1], self.inputs[2]
-        self.out_loc.fill_(self.pad_loc)
+        self.rows_bytes = 3 * M * 8
+        nbytes = self.rows_bytes + 4 * (2 * M + 1 + M * pages_for(engine.max_request_len, S) + M)
+        self.static = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        self.host = np.zeros(nbytes, dtype=np.uint8)  # its image on the host, copied whole up to the page ids used
+        self.input_ids, self.positions, self.out_loc = self.static[:self.rows_bytes].view(torch.int64).view(3, M)
+        self.host_rows = self.host[:self.rows_bytes].view(np.int64).reshape(3, M)
+        self.meta = self.static[self.rows_bytes:].view(torch.int32)
+        self.host_meta = self.host[self.rows_bytes:].view(np.int32)
         self.k_rows = torch.zeros(M, dtype=torch.int64, device=dev)
         self.v_rows = torch.zeros(M, dtype=torch.int64, device=dev)
         self.last_indices = torch.arange(M, device=dev)
-        # flashinfer's page table, [indptr (M + 1) | last page lengths (M) | page ids], in one device buffer
-        # filled by one copy per step: each row's pages (a page shared by several requests is listed for each), plus
-        # a scratch page per padded row
-        most = M * pages_for(engine.max_request_len, S) + M
-        self.meta = torch.zeros(2 * M + 1 + most, dtype=torch.int32, device=dev)
-        self.host_meta = np.zeros(self.meta.numel(), dtype=np.int32)
         self.indptr_buf, self.last_buf, self.indices_buf = self.meta[:M + 1], self.meta[M + 1:2 * M + 1], \
             self.meta[2 * M + 1:]
 
@@ -140,8 +141,13 @@ class GraphRunner:
         model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
         capturable); fp32 logits [bs, vocab] on rank 0, None on the others."""
         bs, batch = key[0], self.batches[key]
-        self.engine.resolve(self.input_ids[:bs])  # the tokens of the previous step, from the device
-        slot_rows(self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs])
+        slots = self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]
+        ops = fused_ops(self.engine.device)
+        if ops is not None:  # the tokens of the previous step, from the device, and the K/V rows: one launch
+            ops.resolve_tokens(self.input_ids[:bs], self.engine.last_tokens, slots)
+        else:
+            self.engine.resolve(self.input_ids[:bs])
+            slot_rows(*slots)
         with forward_context(batch, self.kv, self.attn):
             return self.model(self.input_ids[:bs])
 
@@ -157,30 +163,22 @@ class GraphRunner:
         raise ValueError(f"decode batch of {b} is larger than the largest CUDA graph ({self.max_bs})")
 
     def _load(self, bs: int, batch: Batch | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """Fill the static inputs, `batch` in the first rows and padding after; returns the page table's
-        indptr, the KV lengths and the number of page ids, for `_plan`."""
+        """Fill the static inputs, `batch` in the first rows and padding after, in one copy from the host; returns
+        the page table's indptr, the KV lengths and the number of page ids, for `_plan`."""
         M, S = self.max_bs, self.kv.page_size
         b = 0 if batch is None else batch.size
         kv_lens = np.ones(bs, dtype=np.int32)  # padded rows: one token, in the scratch page
+        rows = self.host_rows
+        rows[:2, b:bs] = 0
+        rows[2, b:bs] = self.pad_loc  # padded rows write K/V into the scratch page only
         if b:
-            ids, pos, loc = batch.input_ids, batch.positions, batch.out_loc
-            if ids.is_contiguous() and pos.data_ptr() == ids.data_ptr() + 8 * b \
-                    and loc.data_ptr() == ids.data_ptr() + 16 * b:  # decode_message's [ids | pos | loc]
-                self.inputs[:, :b].copy_(ids.as_strided((3, b), (b, 1)))
-            else:
-                self.input_ids[:b].copy_(ids)
-                self.positions[:b].copy_(pos)
-                self.out_loc[:b].copy_(loc)
+            for i, t in enumerate((batch.input_ids, batch.positions, batch.out_loc)):
+                rows[i, :b] = t.cpu().numpy()  # decode_message's rows are on the host already
             table, pages, last_len = page_table(batch, S)
             kv_lens[:b] = batch.seq_lens
         else:  # at capture: every row is padding
             table, pages, last_len = np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
         pad = bs - b
-        if pad:
-            self.out_loc[b:bs].fill_(self.pad_loc)  # padded rows write K/V into the scratch page only
-            if batch is None:
-                self.input_ids[:bs].zero_()
-                self.positions[:bs].zero_()
         h = self.host_meta
         indptr = h[:bs + 1]
         indptr[:b + 1] = table
@@ -193,7 +191,8 @@ class GraphRunner:
         ids[:len(pages)] = pages
         ids[len(pages):] = self.kv.scratch_page
         # one host-to-device copy, from pinned memory so that it queues behind the step still running
-        self.meta[:2 * M + 1 + n].copy_(torch.from_numpy(h[:2 * M + 1 + n]).pin_memory(), non_blocking=True)
+        used = self.rows_bytes + 4 * (2 * M + 1 + n)
+        self.static[:used].copy_(torch.from_numpy(self.host[:used]).pin_memory(), non_blocking=True)
         return indptr.copy(), kv_lens, n
 
     def _plan(self, bs: int, indptr: np.ndarray, kv_lens: np.ndarray, n: int, kernel: bool) -> None:

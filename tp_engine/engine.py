@@ -29,7 +29,7 @@ from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.page_pool import PagePool
 from tp_engine.sampler import request_seed, sample, token_logprobs
 from tp_engine.scheduler import Plan, Request, Scheduler
-from tp_engine.step_message import PageTables, decode_message, stop_message
+from tp_engine.step_message import PageTables, decode_message, on_device, stop_message
 from tp_engine.step_tokens import Issued, add_logprobs, to_host
 
 log = logging.getLogger("tp_engine")
@@ -171,9 +171,9 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
-            return self.graphs.run(batch)  # resolves the token references inside the graph
-        lead = batch.decode_rows  # the references to the previous step's tokens are in these rows
-        if lead:
+            return self.graphs.run(batch)  # one copy into the graph's inputs; the references resolved inside
+        batch = on_device(batch, self.device)  # decode_message's token rows are on the host
+        if lead := batch.decode_rows:  # the references to the previous step's tokens are in these rows
             self.resolve(batch.input_ids[:lead])  # in place
         if self.pieces is not None and self.pieces.can_run(batch):
             self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
@@ -201,7 +201,7 @@ class Engine:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
         self.tables.clear()
         with self._shared_step():
-            while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.device, self.tables)) is not None:
+            while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.tables)) is not None:
                 self.forward(batch)
                 self.share_tokens(None, batch.size)
 
@@ -275,7 +275,7 @@ class Engine:
         seeds = [request_seed(self.cfg["seed"] if r.params.seed is None else r.params.seed, r.index, r.sample)
                  for r in reqs]  # params that name no seed: the config's
         steps = [r.num_outputs for r in reqs]  # the output index each request samples now
-        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.device, self.tables)
+        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.tables)
         logits = self.forward(batch)[: len(reqs)]
         sampled = sample(logits, [r.params for r in reqs], seeds, steps)
         k = max(r.params.logprobs for r in reqs)

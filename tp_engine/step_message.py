@@ -13,6 +13,7 @@ new_lens(B), slots(B), keep(B), appended(B), dropped slots(D), appended pages(P)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -69,8 +70,10 @@ def encode_step(is_prefill: bool, ids: list[int], pos: list[int], loc: list[int]
                         + dropped + new, dtype=torch.int64)
 
 
-def decode_message(msg: torch.Tensor, device: torch.device, tables: PageTables) -> Batch | None:
-    """The inverse of `encode_step`, run on every rank: updates `tables`, returns the step's Batch; None for STOP."""
+def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
+    """The inverse of `encode_step`, run on every rank: updates `tables`, returns the step's Batch with its token
+    rows on the host (`on_device` moves them; a CUDA-graph step copies them into the graph's inputs); None for
+    STOP."""
     cmd, is_prefill, B, N, D, P = msg[:HEAD].tolist()
     if cmd == STOP:
         return None
@@ -85,18 +88,19 @@ def decode_message(msg: torch.Tensor, device: torch.device, tables: PageTables) 
     for s, k, n in zip(slots, keep, nnew):
         page_tables.append(tables.update(s, k, new[o:o + n]))
         o += n
-    ids, pos, loc = vals[:N], vals[N:2 * N], vals[2 * N:3 * N]
-    if device.type == "cpu":
-        last = torch.tensor(ext).cumsum(0) - 1
-    else:  # one host-to-device copy instead of four
-        host = np.empty(3 * N + B, dtype=np.int64)
-        host[:3 * N] = vals[:3 * N].numpy()
-        np.cumsum(ext, out=host[3 * N:])
-        host[3 * N:] -= 1
-        # from pinned memory, so the copy queues behind the GPU's work instead of waiting for it
-        dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
-        ids, pos, loc, last = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:]
-    return Batch(bool(is_prefill), ids, pos, loc, seq, ext, page_tables, last)
+    last = torch.tensor(ext).cumsum(0) - 1
+    return Batch(bool(is_prefill), vals[:N], vals[N:2 * N], vals[2 * N:3 * N], seq, ext, page_tables, last)
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` with its token rows (ids, positions, KV slots, last rows) on `device`: on CUDA in one
+    host-to-device copy, from pinned memory so that it queues behind the GPU's work instead of waiting for it."""
+    if device.type == "cpu" or batch.input_ids.is_cuda:
+        return batch
+    rows = (batch.input_ids, batch.positions, batch.out_loc, batch.last_indices)
+    dev = torch.from_numpy(np.concatenate([t.numpy() for t in rows])).pin_memory().to(device, non_blocking=True)
+    ids, pos, loc, last = dev.split([len(t) for t in rows])
+    return replace(batch, input_ids=ids, positions=pos, out_loc=loc, last_indices=last)
 
 
 def stop_message() -> torch.Tensor:
