@@ -18,6 +18,7 @@ from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMP
                          needs_flashinfer)
 from helpers import free_port
 from test_sampling import mixed_params, random_rows, reference
+from tp_engine import sampler
 from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -99,7 +100,12 @@ def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
         assert torch.equal(got, reference(logits, params, seeds, steps)), vocab
         # bf16-rounded logits: many exact ties
         tied = logits.to(torch.bfloat16).float()
-        assert torch.equal(sample(tied, params, seeds, steps), reference(tied, params, seeds, steps)), vocab
+        want = reference(tied, params, seeds, steps)
+        assert torch.equal(sample(tied, params, seeds, steps), want), vocab
+        # bf16 itself, as the decode graphs return it: the kernels (not a torch fallback) read it as fp32
+        bf = logits.to(torch.bfloat16)
+        assert sampler._kernels(bf) is not None
+        assert torch.equal(sample(bf, params, seeds, steps), want), vocab
 
 
 def test_logprobs_rank_ties_on_cuda_as_on_the_cpu():

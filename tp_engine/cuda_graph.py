@@ -139,7 +139,7 @@ class GraphRunner:
     def _step(self, key: tuple[int, bool]) -> torch.Tensor | None:
         """The captured work: one decode step of the model on this rank for the first `bs` static rows, the
         model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
-        capturable); fp32 logits [bs, vocab] on rank 0, None on the others."""
+        capturable); logits [bs, vocab] in the model's dtype on rank 0, None on the others."""
         bs, batch = key[0], self.batches[key]
         slots = self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]
         ops = fused_ops(self.engine.device)
@@ -148,8 +148,8 @@ class GraphRunner:
         else:
             self.engine.resolve(self.input_ids[:bs])
             slot_rows(*slots)
-        with forward_context(batch, self.kv, self.attn):
-            return self.model(self.input_ids[:bs])
+        with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
+            return self.model(self.input_ids[:bs], fp32=False)
 
     # ---- per step ----
 
@@ -204,7 +204,8 @@ class GraphRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | None:
-        """Replay the decode step for `batch`; rank 0 gets fp32 logits [>= B, vocab], the others None."""
+        """Replay the decode step for `batch`; rank 0 gets logits [>= B, vocab] (the model's dtype), the others
+        None."""
         b = batch.size
         bs = self._bucket(b)
         indptr, kv_lens, n = self._load(bs, batch)

@@ -74,8 +74,11 @@ GREEDY_BELOW = 1e-5
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
-    """logits: [B, vocab] fp32 -> chosen ids [B] (int64). Each row's draw depends on its own values only."""
+    """logits: [B, vocab] -> chosen ids [B] (int64). Each row's draw depends on its own values only. Logits in
+    bf16 or fp16 (the CUDA graphs') are drawn from as their fp32 values, which hold them exactly."""
     ops = _kernels(logits)
+    if ops is None:
+        logits = logits.float()
     greedy = ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)  # the same ids, in one launch
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not rows:
@@ -102,7 +105,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
             ids = ops.topk_candidates(logits, rows_t, temps, max_k)
             greedy[rows_t] = ops.draw_among(logits, rows_t, temps, ids, k, p, hashes)
             continue
-        x = logits[rows_t] / temps[:, None]
+        x = logits[rows_t].float() / temps[:, None]
         if group is nucleus:  # top_p alone bounds no candidate count: sort the vocabulary
             greedy[rows_t] = full_sort_draw(x, k, p, hashes)
         else:  # a few candidates per row, no sort of the vocabulary
@@ -112,7 +115,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 
 def _kernels(logits: torch.Tensor):
     """The fused kernels (kernels/sampling.py) when `logits` suits them, else None."""
-    if not logits.is_cuda or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+    if not logits.is_cuda or not logits.is_floating_point() or logits.stride(-1) != 1:
         return None
     from tp_engine.kernels import fused_ops
     return fused_ops(logits.device)
@@ -135,8 +138,9 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """From fp32 logits [B, vocab] (before temperature and filters): the chosen tokens' log-probabilities [B],
-    and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the vocabulary."""
+    """From logits [B, vocab] (before temperature and filters; taken in fp32): the chosen tokens' log-probabilities
+    [B], and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the
+    vocabulary."""
     logits = logits.float()
     lp = torch.log_softmax(logits, dim=-1)
     k = min(k, lp.shape[-1])

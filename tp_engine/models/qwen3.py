@@ -105,11 +105,12 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Last-position logits [B, vocab] in fp32 on rank 0; None on the other ranks."""
-        return self.logits(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
+        """Last-position logits [B, vocab] on rank 0, in fp32 (or, fp32=False, in the model's dtype); None on the
+        other ranks."""
+        return self.logits(self.model(input_ids), fp32)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
         """The LM head on the final hidden states [N, hidden] (of each request's last position in a prompt step)."""
         logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        return logits.float() if logits is not None and fp32 else logits
