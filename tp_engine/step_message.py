@@ -88,7 +88,7 @@ def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
     for s, k, n in zip(slots, keep, nnew):
         page_tables.append(tables.update(s, k, new[o:o + n]))
         o += n
-    last = torch.tensor(ext).cumsum(0) - 1
+    last = torch.from_numpy(np.cumsum(ext, dtype=np.int64) - 1)
     return Batch(bool(is_prefill), vals[:N], vals[N:2 * N], vals[2 * N:3 * N], seq, ext, page_tables, last)
 
 
