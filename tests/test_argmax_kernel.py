@@ -82,5 +82,5 @@ print("interpreter ok")
 
 def test_resolve_kernel_also_gives_the_kv_rows_in_interpreter(tmp_path):
     """A decode graph's first launch: the previous step's tokens into the input ids and each token's K and V cache
-    rows, as Engine.resolve's torch path and flashinfer_backend.slot_rows compute them."""
+    rows, as step_tokens.resolve's torch path and flashinfer_backend.slot_rows compute them."""
     run_script(RESOLVE_SCRIPT, tmp_path)

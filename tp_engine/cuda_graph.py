@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once at start-up.
 
 A decode batch of B requests runs the graph of the smallest bucket >= B; the graph first takes the
-tokens sampled in the previous step from the device (Engine.resolve); the padded rows read a dummy
+tokens sampled in the previous step from the device (step_tokens.resolve); the padded rows read a dummy
 token and write their K/V into the cache's scratch page, so they touch no request's pages. The graph
 holds the model's whole forward on this rank (embedding, layers with their all-reduces, final norm, the
 LM head and, with TP > 1, its all-gather of the vocab shards), so rank 0 replays and reads logits.
@@ -26,10 +26,11 @@ import numpy as np
 import torch
 
 from tp_engine import comm
-from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
+from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan
 from tp_engine.context import Batch, forward_context
-from tp_engine.kernels import decode_attention, fused_ops
+from tp_engine.kernels import decode_attention
 from tp_engine.kv_cache import page_table, pages_for
+from tp_engine.step_tokens import resolve
 
 log = logging.getLogger("tp_engine")
 
@@ -141,13 +142,9 @@ class GraphRunner:
         model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
         capturable); logits [bs, vocab] in the model's dtype on rank 0, None on the others."""
         bs, batch = key[0], self.batches[key]
-        slots = self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]
-        ops = fused_ops(self.engine.device)
-        if ops is not None:  # the tokens of the previous step, from the device, and the K/V rows: one launch
-            ops.resolve_tokens(self.input_ids[:bs], self.engine.last_tokens, slots)
-        else:
-            self.engine.resolve(self.input_ids[:bs])
-            slot_rows(*slots)
+        # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused kernels)
+        resolve(self.input_ids[:bs], self.engine.last_tokens,
+                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]))
         with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
             return self.model(self.input_ids[:bs], fp32=False)
 

@@ -30,7 +30,7 @@ from tp_engine.page_pool import PagePool
 from tp_engine.sampler import request_seed, sample, token_logprobs
 from tp_engine.scheduler import Plan, Request, Scheduler
 from tp_engine.step_message import PageTables, decode_message, on_device, stop_message
-from tp_engine.step_tokens import Issued, add_logprobs, to_host
+from tp_engine.step_tokens import Issued, add_logprobs, resolve, to_host
 
 log = logging.getLogger("tp_engine")
 
@@ -174,20 +174,13 @@ class Engine:
             return self.graphs.run(batch)  # one copy into the graph's inputs; the references resolved inside
         batch = on_device(batch, self.device)  # decode_message's token rows are on the host
         if lead := batch.decode_rows:  # the references to the previous step's tokens are in these rows
-            self.resolve(batch.input_ids[:lead])  # in place
+            resolve(batch.input_ids[:lead], self.last_tokens)  # in place
         if self.pieces is not None and self.pieces.can_run(batch):
             self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
             return self.pieces.run(batch)
         self.attn.prepare(batch)
         with forward_context(batch, self.kv, self.attn):
             return self.model(batch.input_ids)
-
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """Replace each reference to the previous step's tokens (`scheduler.ref_token`) by the token, in place."""
-        ops = fused_ops(ids.device)
-        if ops is not None:
-            return ops.resolve_tokens(ids, self.last_tokens)
-        return ids.copy_(torch.where(ids >= 0, ids, self.last_tokens[(-1 - ids).clamp(min=0)]))
 
     @torch.inference_mode()
     def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from tp_engine.step_message import encode_step
 
 
 def ref_token(row: int) -> int:
-    """A message token id meaning 'the token sampled in row `row` of the previous step' (see Engine.resolve)."""
+    """A message token id meaning 'the token sampled in row `row` of the previous step' (see step_tokens.resolve)."""
     return -1 - row
 
 

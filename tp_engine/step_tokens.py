@@ -1,10 +1,13 @@
-"""A step's sampled tokens (and log-probabilities) on their way to rank 0's host, and back into the requests."""
+"""A step's sampled tokens (and log-probabilities) on their way to rank 0's host, and back into the requests; on
+the device, into the next step's input ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from tp_engine.attention.flashinfer_backend import slot_rows
+from tp_engine.kernels import fused_ops
 from tp_engine.scheduler import Plan, Request
 
 
@@ -15,6 +18,18 @@ class Issued:
     tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU, where they are synchronous)
     logprobs: tuple[torch.Tensor, ...] = ()  # sampler.token_logprobs on the host, when a request asked for them
+
+
+def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
+    """Replace each reference to the previous step's tokens (`scheduler.ref_token`: -1 - row) by last[row], in
+    place. slots, (out_loc, page_size, k_rows, v_rows): also each token's K/V cache rows (slot_rows); with the
+    fused kernels, both in one launch (a decode graph's first)."""
+    ops = fused_ops(ids.device)
+    if ops is not None:
+        return ops.resolve_tokens(ids, last, slots)
+    if slots is not None:
+        slot_rows(*slots)
+    return ids.copy_(torch.where(ids >= 0, ids, last[(-1 - ids).clamp(min=0)]))
 
 
 def to_host(plan: Plan, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...]) -> Issued:

@@ -203,7 +203,7 @@ def draw_among(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Ten
 
 
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
-    """In place: each id < 0 becomes last[-1 - id] (Engine.resolve), in one kernel. slots: (out_loc, page_size,
+    """In place: each id < 0 becomes last[-1 - id] (step_tokens.resolve), in one kernel. slots: (out_loc, page_size,
     k_rows, v_rows) also fills k_rows and v_rows as attention/flashinfer_backend.slot_rows does, in the same
     kernel (a decode graph's first launch)."""
     n = ids.numel()
