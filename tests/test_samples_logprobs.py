@@ -153,12 +153,17 @@ def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
 
 
 def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path, caplog):
-    """A repetition_penalty (Qwen2.5's files set 1.05) changes transformers' tokens, greedy ones too; the engine
-    does not apply it and said nothing."""
+    """A repetition_penalty (Qwen2.5's files set 1.05), a min_new_tokens or a suppress_tokens changes
+    transformers' tokens, greedy ones too; the engine does not apply them and said nothing of the last two."""
     cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, min_p 0.05"),
              ({"do_sample": False, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, "
               "which"),  # min_p acts only when sampling
-             ({**QWEN3, "repetition_penalty": 1, "min_p": None, "typical_p": 1.0}, None)]
+             ({**QWEN3, "repetition_penalty": 1, "min_p": None, "typical_p": 1.0}, None),
+             # a first EOS held back, tokens suppressed, beam search: each changes transformers' greedy tokens
+             ({"do_sample": False, "min_new_tokens": 4, "suppress_tokens": [5], "num_beams": 2, "top_h": 0.5},
+              "sets min_new_tokens 4, suppress_tokens [5], num_beams 2, which"),  # top_h acts only when sampling
+             ({**QWEN3, "top_h": 0.5, "forced_eos_token_id": 2}, "sets forced_eos_token_id 2, top_h 0.5"),
+             ({**QWEN3, "min_new_tokens": 0, "suppress_tokens": [], "num_beams": 1, "guidance_scale": None}, None)]
     for i, (content, said) in enumerate(cases):
         model = with_generation_config(ckpt, tmp_path / str(i), content)
         caplog.clear()

@@ -17,12 +17,15 @@ from typing import Any
 from tp_engine.textio import read_json_object
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-# Fields transformers' generate applies that this engine does not, with the value that leaves the logits alone
-# (null too): a file with another value gets a warning, since the tokens differ. The first two act in greedy
-# decoding too, the others only when sampling.
-UNAPPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_p": 0.0, "typical_p": 1.0,
-             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
-GREEDY_TOO = ("repetition_penalty", "no_repeat_ngram_size")
+# Fields transformers' generate applies that this engine does not (its logits processors, beam search), with
+# the value that leaves the tokens alone (null too): a file with another value gets a warning, since the tokens
+# differ. All but the SAMPLING_ONLY ones act in greedy decoding too.
+UNAPPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "sequence_bias": [], "bad_words_ids": [],
+             "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
+             "remove_invalid_values": False, "exponential_decay_length_penalty": None, "suppress_tokens": [],
+             "begin_suppress_tokens": [], "guidance_scale": 1.0, "num_beams": 1, "watermarking_config": None,
+             "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+SAMPLING_ONLY = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
 log = logging.getLogger("tp_engine")
 
 
@@ -52,7 +55,7 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
     if do_sample is not None and not isinstance(do_sample, bool):
         raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got {json.dumps(do_sample)}")
     unapplied = [f"{k} {json.dumps(raw[k])}" for k, neutral in UNAPPLIED.items()
-                 if raw.get(k) not in (neutral, None) and (do_sample or k in GREEDY_TOO)]
+                 if raw.get(k) not in (neutral, None) and (do_sample or k not in SAMPLING_ONLY)]
     if unapplied:
         log.warning("%s sets %s, which this engine does not apply: its tokens differ from transformers' generate "
                     "with that file", path, ", ".join(unapplied))
