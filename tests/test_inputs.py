@@ -621,12 +621,16 @@ def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporar
     lines = output_file_lines(rewrite)
     assert target.read_bytes() == new
     (tmp_path / ".out.jsonl.ab12cd34.tmp").write_text("a killed run's")
-    kept = [tmp_path / ".out.jsonl.notes", tmp_path / "other.tmp", tmp_path / ".out.jsonl2.ab12cd34.tmp"]
+    (tmp_path / ".out.jsonl.run.json.ab_2cd34.tmp").write_text("a killed run's settings")
+    # the last one: a temporary file of another run's output, out.jsonl.x, which went too
+    kept = [tmp_path / ".out.jsonl.notes", tmp_path / "other.tmp", tmp_path / ".out.jsonl2.ab12cd34.tmp",
+            tmp_path / ".out.jsonl.x.ab12cd34.tmp"]
     for path in kept:
         path.write_text("not the run's")
     for code, line in lines:
         lock = output_file.OutputLock(target, str(target))
-        assert not list(tmp_path.glob(".out.jsonl.*.tmp")), "a killed run's temporary file stayed"
+        left = [p.name for p in tmp_path.glob(".out.jsonl.*.tmp") if p not in kept]
+        assert not left, f"a killed run's temporary files stayed: {left}"
         fired = interrupted(rewrite, code, line, lock.release)
         lock.release()
         assert fired and target.read_bytes() in (old, new), (code.co_name, line)

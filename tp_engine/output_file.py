@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -76,7 +77,10 @@ class OutputLock:
 
     def __init__(self, target: Path, shown: str) -> None:
         self.path = target.with_name(target.name + ".lock")
-        self.temps = _temp_prefix(target.name)  # the start of its and its settings file's temporary files' names
+        # its and its settings file's temporary files: mkstemp's names, exactly (another output's, say of
+        # `<target>.x`, start the same)
+        self.temps = re.compile(re.escape(_temp_prefix(target.name)) + f"({re.escape(SETTINGS_SUFFIX[1:])}\\.)?"
+                                + r"[a-z0-9_]{8}\.tmp")
         self.made: list[Path] = []  # the folders this run made for the output, innermost first
         self.fd: int | None = None
         try:
@@ -141,15 +145,14 @@ class OutputLock:
 
     def _remove_temps(self) -> None:
         try:
-            names = [e.name for e in os.scandir(self.path.parent) if e.name.startswith(self.temps)]
+            names = [e.name for e in os.scandir(self.path.parent) if self.temps.fullmatch(e.name)]
         except OSError:
             return
         for name in names:
-            if name.endswith(".tmp"):
-                try:
-                    os.unlink(self.path.parent / name)
-                except OSError:  # gone already, or the folder no longer writable
-                    pass
+            try:
+                os.unlink(self.path.parent / name)
+            except OSError:  # gone already, or the folder no longer writable
+                pass
 
     def _remove_folders(self) -> None:
         for folder in self.made:
