@@ -219,6 +219,12 @@ CONFIG_JSON_CASES = {
     "not_an_object": ([1, 2], "must hold a JSON object, got list"),
     "string_for_window_layers": ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "1"},
                                  "field 'max_window_layers' must be an integer >= 0, got \"1\""),
+    # these failed inside the first step (a shape mismatch), or ran with no keys at all (8 KV heads for 4)
+    "kv_heads_not_dividing": ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of "
+                                                          "num_key_value_heads=3"),
+    "more_kv_heads_than_heads": ({"num_key_value_heads": 8}, "num_attention_heads=4 is not a multiple of "
+                                                             "num_key_value_heads=8"),
+    "odd_head_dim": ({"head_dim": 33}, "head_dim=33 must be even"),
 }
 
 

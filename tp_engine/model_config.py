@@ -82,15 +82,21 @@ class ModelConfig:
             raise ModelError(f"{where}: {e}") from None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # absent: transformers' default for the model type; null: derived from the heads, as there
+        kv = raw.get("num_key_value_heads", 4 if kind == "qwen3_moe" else 32) or heads
+        head_dim = raw.get("head_dim", None if kind == "qwen3_moe" else 128) or raw["hidden_size"] // heads
+        if heads % kv:  # each KV head serves a whole group of query heads
+            raise ModelError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+        if head_dim % 2:
+            raise ModelError(f"{where}: head_dim={head_dim} must be even (RoPE rotates pairs of dimensions)")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            # absent: transformers' default for the model type; null: derived from the heads, as there
-            num_kv_heads=raw.get("num_key_value_heads", 4 if kind == "qwen3_moe" else 32) or heads,
-            head_dim=raw.get("head_dim", None if kind == "qwen3_moe" else 128) or raw["hidden_size"] // heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
