@@ -94,6 +94,23 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(tmp_path, fiel
     assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)
 
 
+def test_a_float64_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """float64 weights (transformers saves them; the FP8 quantizer copies a float64 source's embeddings, norms and
+    LM head as they are) were refused: 'dtype F64 is not supported'."""
+    path = make_checkpoint(tmp_path / "m")
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v.double() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)
+
+
+def test_an_index_with_an_empty_weight_map_is_named(tmp_path):
+    """It was reported as a folder without weights, beside the shards it holds."""
+    path = make_checkpoint(tmp_path / "m", shard=True)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json lists no tensors"):
+        checkpoint_files(str(path))
+
+
 def test_float8_tensors_in_a_module_kept_unquantized_name_the_key(tmp_path):
     save_file({"w": torch.zeros(2, 2).to(torch.float8_e4m3fn)}, tmp_path / "f.safetensors")
     with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as h, pytest.raises(ValueError) as e:

@@ -17,7 +17,7 @@ class CheckpointError(ValueError):
 # safetensors dtype codes of the weights the engine converts to its own dtype. Others (int8, bool, ...) would
 # be cast to floats without complaint and give garbage: quantized checkpoints need their own kernels, so
 # float8 is taken only by the parameters of a block-FP8 checkpoint that hold it (layers/fp8.py).
-FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 FP8_DTYPE = "F8_E4M3"
 
 
@@ -85,6 +85,8 @@ def checkpoint_files(model_dir: str) -> list[Path]:
         except (ValueError, KeyError, TypeError) as e:  # ValueError: not JSON, or not UTF-8
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
         files = [root / f for f in dict.fromkeys(weight_map.values())]
+        if not files:
+            raise CheckpointError(f"{index} lists no tensors: its 'weight_map' is empty")
         gone = f"listed in {index.name} is missing"
     else:
         files = sorted(root.glob("*.safetensors"))
