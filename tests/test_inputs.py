@@ -695,6 +695,9 @@ def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
     with pytest.raises(StartupError) as err:  # 2**50 bytes: more than any address space maps
         LLM(model=str(DEMO), device="cpu", kv_cache={"num_pages": 2**50 // 16384, "page_size": 16})
     assert f"cannot allocate the KV cache: {2**50 // 16384:,} pages (kv_cache.num_pages)" in str(err.value)
+    with pytest.raises(StartupError) as err:  # past int64: a TypeError from torch, with a traceback
+        LLM(model=str(DEMO), device="cpu", kv_cache={"num_pages": 10**20, "page_size": 16})
+    assert f"cannot allocate the KV cache: {10**20:,} pages (kv_cache.num_pages)" in str(err.value)
 
 
 def test_streamed_text_stops_before_a_stop_string():
