@@ -380,6 +380,18 @@ def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
     conf.write_text(f"model: {DEMO}\nsampling:\n  temperature: 0.7\nprompts: [hi]\nsampling:\n  max_new_tokens: 4\n")
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 2 and "key 'sampling' is given twice (lines 2 and 5)" in err, err
+    # in its section and by its dotted name: the later one won, either way round, without a word
+    for order in ((0, 1), (1, 0)):
+        two = [("sampling:\n  temperature: 0.5\n", "'temperature' in section 'sampling'"),
+               ("sampling.temperature: 0.9\n", "'sampling.temperature'")]
+        first, second = (two[i] for i in order)
+        conf.write_text(f"model: {DEMO}\nprompts: [hi]\n{first[0]}{second[0]}")
+        code, err = cli(capsys, "--config", str(conf), "--print-config")
+        assert code == 2 and f"config key 'sampling.temperature' is given twice: as {first[1]} and as {second[1]}" \
+            in err, err
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\n")  # --set twice: the last one, as on any command line
+    cfg = build_config(str(conf), overrides=["sampling.temperature=0.3", "sampling.temperature=0.4"])
+    assert cfg["sampling"]["temperature"] == 0.4
 
 
 def test_yaml_merge_keys_are_read_and_unhashable_keys_refused(tmp_path, capsys):

@@ -159,17 +159,20 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 SECTIONS = {dotted.rsplit(".", 1)[0] for dotted in SCHEMA if "." in dotted}  # sampling, kv_cache, advanced
 
 
-def _flatten(d: dict, flat: dict[str, Any], prefix: str = "") -> None:
-    """Nested sections -> dotted keys, into `flat` over what it holds. A key that takes a mapping
-    (chat_template_kwargs) is given whole, or one entry at a time (`chat_template_kwargs.enable_thinking`)."""
+def _flatten(d: dict, flat: dict[str, Any], written: dict[str, str], prefix: str = "") -> None:
+    """Nested sections -> dotted keys, into `flat` over what it holds; a key `d` writes twice is refused (`written`).
+    A mapping key (chat_template_kwargs) is given whole, or one entry at a time (`chat_template_kwargs.x`)."""
     for k, v in d.items():
         name = f"{prefix}{k}"
         parent, _, entry = name.partition(".")
+        how = f"'{k}' in section '{prefix[:-1]}'" if prefix else f"'{k}'"
+        if name not in SECTIONS and written.setdefault(name, how) is not how:
+            raise ConfigError(f"config key '{name}' is given twice: as {written[name]} and as {how}")
         if name in SECTIONS:
             if v is not None and not isinstance(v, dict):  # null: a section whose keys are all commented out
                 first = next(s for s in SCHEMA if s.startswith(name + "."))
                 raise ConfigError(f"config key '{name}' must be a mapping of its keys (such as '{first}'); got {v!r}")
-            _flatten(v or {}, flat, name + ".")
+            _flatten(v or {}, flat, written, name + ".")
         elif name not in SCHEMA and parent in SCHEMA and SCHEMA[parent].type == (dict,):
             flat[parent] = {**(flat.get(parent) if isinstance(flat.get(parent), dict) else {}), entry: v}
         else:
@@ -183,7 +186,7 @@ def _apply_layer(layer: list[dict], flat: dict) -> None:
     if len(given) == 1:
         flat.pop(({"prompts", "prompts_file"} - given).pop(), None)
     for d in layer:
-        _flatten(d, flat)
+        _flatten(d, flat, {})
 
 
 def _unknown(name: str, value: Any = None) -> ConfigError:
