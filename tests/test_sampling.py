@@ -170,3 +170,23 @@ def test_a_tiny_temperature_is_greedy():
                   for k, p in ((0, 1.0), (5, 1.0), (vocab + 1, 1.0), (0, 0.9))] * 2
         got = sample(logits, params, list(range(8)), [3] * 8)
         assert torch.equal(got, logits.argmax(dim=-1)), t
+
+
+def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
+    """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one past
+    the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the first
+    NaN, as torch.argmax does for greedy, whatever the NaN's sign bit."""
+    from tp_engine.sampler import TOPK_MAX_K
+    vocab = 2 * TOPK_MAX_K + 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
+    logits[:, 40] = float("nan")
+    logits[:, 7] = -torch.tensor(float("nan"))  # the sign bit set, as x86 makes NaNs
+    logits[:, 3] = 30.0  # certain, but for the NaNs
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_k=TOPK_MAX_K + 10),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=20, top_p=0.5)]
+    for step in range(4):
+        got = sample(logits, params, [11 * i for i in range(6)], [step] * 6)
+        assert got.tolist() == [7] * 6, (step, got)
+    chosen, _, _ = token_logprobs(logits, got, 3)
+    assert chosen.isnan().all()

@@ -19,15 +19,17 @@ from tp_engine.topk_sampling import order_key
 
 gen = torch.Generator().manual_seed(0)
 vocab = 2 * sampling.TOPK_BLOCK + 904  # a partial last chunk
-x = torch.randn(6, vocab, generator=gen) * 3
+x = torch.randn(7, vocab, generator=gen) * 3
 x[0] = (x[0] * 2).round() / 2  # many ties, as bf16 logits have
 x[1] = 0.0
 x[1, ::3] = -0.0  # equal to +0.0: ranked by id
 x[2, 100:4000] = float("-inf")
 b = sampling.TOPK_BLOCK
 x[3, [b - 1, b, vocab - 1]] = 50.0  # equal maxima in three chunks
-rows = torch.tensor([5, 0, 1, 2, 3, 4, 0])
-temps = torch.tensor([0.7, 1.0, 0.3, 2.5, 1.0, 0.6, 0.6])
+x[6, b + 5] = float("nan")
+x[6, 77] = -torch.tensor(float("nan"))  # NaNs of both signs: first, as one
+rows = torch.tensor([5, 0, 1, 2, 3, 4, 0, 6])
+temps = torch.tensor([0.7, 1.0, 0.3, 2.5, 1.0, 0.6, 0.6, 0.9])
 found = {}
 for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
     got = found[k] = sampling.topk_candidates(x, rows, temps, k)
@@ -37,14 +39,14 @@ for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
 # the draw among the candidates against topk_sampling.draw_among, with top-k and top-p masks of every kind
 from tp_engine.topk_sampling import draw_among, row_hash
 n = len(rows)
-ks = torch.tensor([1, 3, 20, 64, 64, 7, 20])
-ps = torch.tensor([1.0, 0.95, 0.5, 1e-6, 0.95, 1.0, 0.9])
+ks = torch.tensor([1, 3, 20, 64, 64, 7, 20, 20])
+ps = torch.tensor([1.0, 0.95, 0.5, 1e-6, 0.95, 1.0, 0.9, 0.9])
 ids = found[64] if 64 in found else sampling.topk_candidates(x, rows, temps, 64)  # checked above
 for step in range(12):
     hashes = row_hash(torch.arange(n) * 7919 + 3, torch.full((n,), step))
     got = sampling.draw_among(x, rows, temps, ids, ks, ps, hashes)
     want = draw_among(x[rows[:, None], ids] / temps[:, None], ids, ks, ps, hashes, vocab)
-    assert torch.equal(got, want), (step, got, want)
+    assert torch.equal(got, want) and got[-1] == 77, (step, got, want)  # a NaN is drawn, as greedy picks it
 print("ok")
 '''
 

@@ -35,10 +35,13 @@ def noise_at(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _gumbel_pick(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
     """argmax of x + Gumbel noise over each row's columns (masked ones are -inf); ties go to the lowest id,
-    as torch.argmax over the whole vocabulary does."""
+    as torch.argmax over the whole vocabulary does, and so does a NaN, as in the greedy and temperature draws
+    (a NaN maximum matched no column: the id `vocab`, past the embedding)."""
     g = x - torch.log(-torch.log(noise_at(rows, ids)))
-    best = g.max(dim=-1, keepdim=True).values
-    return ids.masked_fill(g != best, vocab).min(dim=-1).values
+    nan = g.isnan()
+    best = g.masked_fill(nan, float("-inf")).max(dim=-1, keepdim=True).values
+    hit = torch.where(nan.any(dim=-1, keepdim=True), nan, g == best)
+    return ids.masked_fill(~hit, vocab).min(dim=-1).values
 
 
 def _mask_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,8 @@ def _mask_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 def order_key(x: torch.Tensor) -> torch.Tensor:
     """One int64 per token that orders like (value descending, id ascending): float bits made monotonic in
     the high half, the reversed id in the low half. No two tokens share a key, so torch.topk's order is exact."""
-    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, so equal values get equal bits
+    # + 0.0: -0.0 becomes +0.0, so equal values get equal bits; every NaN the same positive one, ranked first
+    bits = torch.where(x.isnan(), float("nan"), x + 0.0).view(torch.int32)
     bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: reverse the order of their magnitudes
     reversed_ids = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device, dtype=torch.int64)
     return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)  # in place: [R, vocab] int64 once

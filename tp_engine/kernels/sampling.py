@@ -74,6 +74,7 @@ if triton is not None:
         mask = ids < vocab
         x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0).to(tl.float32), temp)
         bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0
+        bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN as the positive one: first (topk_sampling.order_key)
         bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: negative floats reverse their order
         key = (bits.to(tl.int64) << 32) | (vocab - 1 - ids).to(tl.int64)
         smallest = -9223372036854775807 - 1  # below every real key (the largest NaN's), never a candidate
@@ -110,8 +111,11 @@ if triton is not None:
         top_p = tl.where(top_p < 1.0, top_p, float("inf"))  # 1: keep all (topk_sampling._mask_sorted)
         x = tl.where(before >= top_p, float("-inf"), x)
         g = _gumbel(x, tl.load(hash_ptr + r).to(tl.uint32), ids)
-        best = tl.max(g, axis=0)
-        tl.store(out_ptr + r, tl.min(tl.where(g == best, ids, 1 << 62), axis=0))
+        none = 1 << 62
+        first_nan = tl.min(tl.where(g != g, ids, none), axis=0)  # a NaN wins, as in topk_sampling._gumbel_pick
+        best = tl.max(tl.where(g != g, float("-inf"), g), axis=0)
+        pick = tl.min(tl.where(g == best, ids, none), axis=0)
+        tl.store(out_ptr + r, tl.where(first_nan < none, first_nan, pick))
 
     @triton.jit
     def _resolve_tokens_kernel(ids_ptr, last_ptr, loc_ptr, k_ptr, v_ptr, n, page_size, BLOCK: tl.constexpr,
