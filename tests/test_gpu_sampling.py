@@ -136,6 +136,26 @@ def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
             assert torch.equal(got, reference(rows, params, seeds, [step] * n)), step
 
 
+def test_a_nan_logit_is_what_every_kernel_draw_picks():
+    """As on the CPU (test_sampling.py): the fused draws pick the first NaN of a row, whatever its sign bit, in
+    fp32 and bf16 logits; the top-k draw among the candidates returned an id past the vocabulary."""
+    from tp_engine.kernels import select
+
+    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    vocab = 151936
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
+    logits[:, 40000] = float("nan")
+    logits[:, 7] = -torch.tensor(float("nan"))
+    logits[:, 3] = 30.0
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_k=100),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
+    for rows in (logits.to(DEV), logits.to(DEV, torch.bfloat16)):
+        assert sampler._kernels(rows) is not None
+        got = sample(rows, params, [11 * i for i in range(6)], [0] * 6)
+        assert got.tolist() == [7] * 6, (rows.dtype, got)
+
+
 def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
     """The fused temperature-only kernel clamps the uniform below 1 exactly as topk_sampling.noise_at does."""
     from tp_engine.kernels import select
