@@ -35,8 +35,8 @@ def noise_at(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _gumbel_pick(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
     """argmax of x + Gumbel noise over each row's columns (masked ones are -inf); ties go to the lowest id,
-    as torch.argmax over the whole vocabulary does, and so does a NaN, as in the greedy and temperature draws
-    (a NaN maximum matched no column: the id `vocab`, past the embedding)."""
+    as torch.argmax over the whole vocabulary does. A NaN wins (the lowest id of the NaNs), as in the greedy
+    and temperature draws: a NaN maximum would match no column and give the id `vocab`, past the embedding."""
     g = x - torch.log(-torch.log(noise_at(rows, ids)))
     nan = g.isnan()
     best = g.masked_fill(nan, float("-inf")).max(dim=-1, keepdim=True).values
