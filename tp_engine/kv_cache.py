@@ -42,8 +42,7 @@ class KVCache:
         try:
             self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, kv_heads, head_dim, dtype=dtype,
                                     device=device)
-        except (RuntimeError, TypeError) as e:  # out of memory, or a size past int64: name the size and the key,
-            # not the allocator's internals
+        except (RuntimeError, TypeError) as e:  # out of memory, or past int64: name the size and the key, not torch's
             size = (num_pages + 1) * self.bytes_per_page(num_layers, page_size, kv_heads, head_dim, dtype)
             raise ValueError(f"cannot allocate the KV cache: {num_pages:,} pages (kv_cache.num_pages) of "
                              f"{page_size} tokens take {size / 2**30:,.1f} GiB per rank on {device.type}: "

@@ -59,7 +59,7 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     """One int64 per token that orders like (value descending, id ascending): float bits made monotonic in
     the high half, the reversed id in the low half. No two tokens share a key, so torch.topk's order is exact."""
     # + 0.0: -0.0 becomes +0.0, so equal values get equal bits; every NaN the same positive one, ranked first
-    bits = torch.where(x.isnan(), float("nan"), x + 0.0).view(torch.int32)
+    bits = (x + 0.0).masked_fill_(x.isnan(), float("nan")).view(torch.int32)
     bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: reverse the order of their magnitudes
     reversed_ids = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device, dtype=torch.int64)
     return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)  # in place: [R, vocab] int64 once
