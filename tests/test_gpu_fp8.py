@@ -145,6 +145,34 @@ def test_fp8_linear_in_a_cuda_graph():
                 assert torch.equal(outs[m], fp8.linear(x, w, scale, scale_row, 0, 128, a8)), (m, a8)
 
 
+
+def test_fp8_linear_after_a_norm_times_each_candidate_after_one(monkeypatch):
+    """With after_norm (the Q/K/V projection), every candidate of the one-token choice is timed after an add +
+    RMSNorm, as in a decode step; without it, none is. The two choices are kept apart, and both compute the
+    dequantized matmul."""
+    from tp_engine.kernels import fp8, norm
+
+    if fp8.triton is None:
+        pytest.skip("Triton is not available")
+    calls = []
+    real = norm.add_rmsnorm
+    monkeypatch.setattr(norm, "add_rmsnorm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fp8, "_CHOICE", {})
+    g = torch.Generator(device=DEV).manual_seed(2)
+    n, k = 1536, 1024
+    w = (torch.randn(n, k, device=DEV, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale_row = (torch.arange(n, device=DEV) // 128).to(torch.int32)
+    scale = torch.rand(n // 128, k // 128, device=DEV, generator=g) / 3000 + 1e-5
+    x = torch.randn(1, k, device=DEV, generator=g).to(BF16)
+    ref = F.linear(x.float(), fp8.dequantize(w, scale, scale_row, 0, torch.float32))
+    plain = fp8.linear(x, w, scale, scale_row, 0, 128, False)
+    assert not calls and len(fp8._CHOICE) == 1
+    after = fp8.linear(x, w, scale, scale_row, 0, 128, False, after_norm=True)
+    candidates = len(fp8._candidates(1, False))
+    assert len(calls) >= 3 * candidates and len(fp8._CHOICE) == 2  # 26 calls a timed candidate
+    for out in (plain, after):
+        assert _rel(out, ref) < 5e-3
+
 # ---- whole engine ----
 
 def test_fp8_greedy_matches_transformers_on_dequantized_weights(ckpts, hf_deq):

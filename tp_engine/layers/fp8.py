@@ -128,7 +128,7 @@ class Fp8Weight:
         ops = fused_ops(x.device)
         if ops is not None:
             y = ops.fp8_linear(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.k_shift,
-                               self.row_align, self.w8a8)
+                               self.row_align, self.w8a8, after_norm=layer.follows_norm)
         else:  # the torch ops: the shard in the activation dtype, for each call
             y = F.linear(x2, self.layout.dequantize(layer.weight, layer.weight_scale_inv, x.dtype))
         if bias is not None:

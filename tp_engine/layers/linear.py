@@ -57,6 +57,8 @@ class LinearBase(nn.Module):
     # How the weight is stored and multiplied when it is not a plain float matrix (layers/fp8.py: block-FP8
     # weights with their scales); None: F.linear on `weight`.
     quant = None
+    # A decode step runs a norm right before this matmul: block-FP8 tiles are timed that way (kernels/fp8.py)
+    follows_norm = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -141,6 +143,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     Query heads split evenly. KV heads split evenly when tp <= num_kv_heads; with more ranks than KV
     heads each rank holds one KV head, replicated: rank r keeps head r * num_kv_heads // tp.
     """
+    follows_norm = True
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
         tp = get_tp()
