@@ -129,7 +129,7 @@ def _parsed(raw: bytes) -> dict | None:
     except ValueError:
         return None
     if isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list) \
-            and isinstance(out.get("sample", 0), int):
+            and isinstance(out.get("sample", 0), int) and isinstance(out.get("output_token_ids", []), list):
         return out
     return None
 
