@@ -752,6 +752,20 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
                for line in lines)
 
 
+
+def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
+    """`- yes`, `- 12:30` and `- 2024-01-01` in a YAML prompt list are True, 750 and a date: the error named only
+    the type, which the prompt as written does not show."""
+    from tp_engine.prompts import PromptEncoder, PromptError
+    from tp_engine.textio import load_yaml
+
+    prompts = load_yaml("prompts: [yes, '12:30', 12:30, 2024-01-01, [3, 4]]")["prompts"]
+    got = PromptEncoder(str(DEMO)).encode_all(prompts)
+    assert list(got[1]) == PromptEncoder(str(DEMO)).encode("12:30") and list(got[4]) == [3, 4]
+    for bad, shown in zip((got[0], got[2], got[3]), ("True", "750", "datetime.date(2024, 1, 1)")):
+        assert isinstance(bad, PromptError) and f"({shown}: YAML reads an unquoted" in str(bad), bad
+        assert "quote the prompt" in str(bad)
+
 def _request(output_ids: list[int]):
     from tp_engine.sampler import SamplingParams
     from tp_engine.scheduler import Request

@@ -209,7 +209,11 @@ class PromptEncoder:
         if isinstance(prompt, list) and all(_is_id(i) for i in prompt):
             return prompt
         if not isinstance(prompt, str):
-            raise PromptError(f"a prompt must be a string, a list of token ids or an object; got {type(prompt).__name__}")
+            # YAML 1.1 reads an unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a boolean, number or date
+            hint = "" if isinstance(prompt, (list, dict)) or prompt is None else \
+                f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the prompt)"
+            raise PromptError("a prompt must be a string, a list of token ids or an object; got "
+                              f"{type(prompt).__name__}{hint}")
         _check_unicode(prompt, "the prompt")
         if self.chat:
             return self._chat_text([{"role": "user", "content": prompt}])
