@@ -148,7 +148,6 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
             assert torch.equal(layer.weight.data, want), (name, rank, world)
 
 
-
 def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm(monkeypatch):
     """A decode step runs a norm right before the Q/K/V projection, so its FP8 kernel is chosen by timing the
     candidates after one (kernels/fp8.py); the O and down projections follow other kernels and are timed alone.
@@ -168,6 +167,7 @@ def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm(mon
         Fp8Weight(layer, w8a8=False)
         assert layer(torch.randn(1, layer.weight.shape[1])).shape == (1, layer.weight.shape[0])
     assert seen == {"qkv": True, "gate_up": False, "down": False, "o": False}
+
 
 def test_scale_layout_needs_few_rows_and_knows_its_alignment():
     comm.set_tp(TPGroup(1, 2))

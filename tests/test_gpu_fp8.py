@@ -145,7 +145,6 @@ def test_fp8_linear_in_a_cuda_graph():
                 assert torch.equal(outs[m], fp8.linear(x, w, scale, scale_row, 0, 128, a8)), (m, a8)
 
 
-
 def test_fp8_linear_after_a_norm_times_each_candidate_after_one(monkeypatch):
     """With after_norm (the Q/K/V projection), every candidate of the one-token choice is timed after an add +
     RMSNorm, as in a decode step; without it, none is. The two choices are kept apart, and both compute the
@@ -172,6 +171,7 @@ def test_fp8_linear_after_a_norm_times_each_candidate_after_one(monkeypatch):
     assert len(calls) >= 3 * candidates and len(fp8._CHOICE) == 2  # 26 calls a timed candidate
     for out in (plain, after):
         assert _rel(out, ref) < 5e-3
+
 
 # ---- whole engine ----
 

@@ -752,7 +752,6 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
                for line in lines)
 
 
-
 def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
     """`- yes`, `- 12:30` and `- 2024-01-01` in a YAML prompt list are True, 750 and a date: the error named only
     the type, which the prompt as written does not show."""
@@ -765,6 +764,7 @@ def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
     for bad, shown in zip((got[0], got[2], got[3]), ("True", "750", "datetime.date(2024, 1, 1)")):
         assert isinstance(bad, PromptError) and f"({shown}: YAML reads an unquoted" in str(bad), bad
         assert "quote the prompt" in str(bad)
+
 
 def _request(output_ids: list[int]):
     from tp_engine.sampler import SamplingParams

@@ -530,7 +530,6 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
                                1)) != run
 
 
-
 def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_path):
     """A hand-edited line with `output_token_ids` a number raised TypeError (a traceback, no line named)."""
     from tp_engine.config import ConfigError, build_config
@@ -543,6 +542,7 @@ def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_p
     out.write_text(json.dumps(good) + "\n" + json.dumps({**good, "index": 1, "output_token_ids": 5}) + "\n")
     with pytest.raises(ConfigError, match="line 2 is not a result line"):
         read_for_resume(out, "out.jsonl", [[1, 2], [1, 2]], settings)
+
 
 def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     """It showed the weight files' raw [name, size, mtime_ns] lists, and `logprobs=null` for logprobs off."""
