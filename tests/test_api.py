@@ -102,6 +102,31 @@ def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(t
     assert [o["output_token_ids"] for o in rank0["again"]] == [w["output_token_ids"] for w in want]
 
 
+def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_path):
+    """A generate() started from an on_finish callback took the running call's KV pages and page tables: it
+    failed with an internal AssertionError ("step message keeps 3 pages of slot 1, which has 0"). The options: a
+    model folder given as a Path; overrides given as one string were read a character at a time."""
+    from pathlib import Path
+
+    from tp_engine import LLM, SamplingParams
+    model = make_checkpoint(tmp_path / "m")
+    with pytest.raises(TypeError, match="overrides must be a list of 'key=value' strings; got the string"):
+        LLM(model=str(model), device="cpu", overrides="sampling.temperature=0.7")
+    llm = LLM(model=Path(model), device="cpu", max_prefill_tokens=16)  # the long prompts still run when 0 ends
+    params = SamplingParams(max_new_tokens=6)
+    prompts = [{"input_ids": [1, 2, 3]}] + [{"input_ids": list(range(7 + i, 47 + i))} for i in range(3)]
+
+    def again(out):
+        if out["index"] == 0:
+            llm.generate(PROMPTS[:1], params)
+
+    with pytest.raises(RuntimeError, match="generate.. was called from a callback of a generate.. call that is still"):
+        llm.generate(prompts, params, on_finish=again)
+    want = hf_generate(model, [p["input_ids"] for p in prompts], 6)
+    assert [o["output_token_ids"] for o in llm.generate(prompts, params)] == want
+    llm.shutdown()
+
+
 def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monkeypatch):
     """At TP 1 no other rank can be out of step: Ctrl-C in the middle of a step (a notebook user stopping a
     long generate) used to make every later generate refuse with 'the ranks may be out of step'."""

@@ -9,6 +9,7 @@ import atexit
 import functools
 import gc
 import logging
+import os
 import sys
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -61,7 +62,9 @@ class LLM:
         `preflight(device)`, if given, runs on rank 0 before any rank loads weights (the command line checks
         its output file and prompts there); a ValueError or OSError from it stops every rank at start-up."""
         if model is not None:
-            options["model"] = model
+            options["model"] = os.fspath(model) if isinstance(model, os.PathLike) else model
+        if isinstance(overrides, str):  # its characters would be read as one override each
+            raise TypeError(f"overrides must be a list of 'key=value' strings; got the string {overrides!r}")
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
         # An engine dropped by the caller keeps its memory (weights, KV cache, CUDA graphs) in reference cycles
@@ -75,6 +78,7 @@ class LLM:
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
+        self._generating = False  # rank 0, inside generate(): a callback may not start another run
         cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]
         if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
             log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
@@ -117,6 +121,9 @@ class LLM:
         call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
         engine then refuses every later call."""
         # Checks that can fail run on every rank before any collective, so all ranks fail alike.
+        if self._generating:  # from a callback: a second run would take the pages and tables of the first
+            raise RuntimeError("generate() was called from a callback of a generate() call that is still running; "
+                               "call it after that one returns")
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new LLM to generate again")
         self.engine.check_usable()
@@ -171,9 +178,11 @@ class LLM:
             return stops is not None and stops.hit(req)
 
         made = requests()
+        self._generating = True
         try:
             self.engine.run(made, check_token if (stops or on_token) else None, finish)
         finally:
+            self._generating = False
             made.close()  # after a failure the scheduler still holds it: keep nothing of this call
         return [outputs[i] for i in sorted(outputs)] if return_outputs else None
 
