@@ -172,6 +172,24 @@ def test_a_tiny_temperature_is_greedy():
         assert torch.equal(got, logits.argmax(dim=-1)), t
 
 
+def test_extreme_temperature_and_top_p_keep_the_most_likely_tokens():
+    """Both are checked as float64 but applied in fp32: a top_p under 1e-45 became 0 and dropped every token (the
+    draw gave id 0), and a temperature over 3.4e38 became inf, so every logit / temperature was 0 and top-k kept
+    the lowest ids. A tiny top_p keeps the most likely token alone; a huge temperature draws among the top k."""
+    gen = torch.Generator().manual_seed(6)
+    vocab = 300
+    logits = torch.randn(8, vocab, generator=gen)
+    logits[:, 250:253] += 20  # the three most likely tokens, far from id 0
+    top3 = set(range(250, 253))
+    for p in (1e-46, 1e-300):  # top_p alone, and with top_k (the candidate path)
+        params = [SamplingParams(temperature=1.0, top_p=p, top_k=k) for k in (0, 5)] * 4
+        assert torch.equal(sample(logits, params, list(range(8)), [3] * 8), logits.argmax(dim=-1)), p
+    for t in (1e39, 1e300):
+        params = [SamplingParams(temperature=t, top_k=k, top_p=p) for k, p in ((3, 1.0), (3, 0.9))] * 4
+        got = [sample(logits, params, list(range(8)), [step] * 8).tolist() for step in range(20)]
+        assert {tok for row in got for tok in row} == top3, t  # each of the three, and only they
+
+
 def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
     """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one past
     the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the first

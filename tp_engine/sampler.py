@@ -71,6 +71,14 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 # Temperatures below this are greedy: the draw is the arg-max there but for logits closer than about 1e-5, and
 # logits / temperature overflows fp32 near 1e-38 (every large logit +inf: the lowest such id would win).
 GREEDY_BELOW = 1e-5
+# Above this, logits / temperature would underflow fp32 to zeros (top-k would keep the lowest ids); at it the
+# distribution is already uniform to fp32's precision. A top_p below TOP_P_MIN, 0 in fp32, would drop even the
+# most likely token; at TOP_P_MIN it keeps that one alone, as any top_p below its probability does.
+TEMPERATURE_MAX, TOP_P_MIN = 1e30, 1e-30
+
+
+def _temperatures(params: list[SamplingParams], rows: list[int], dev: torch.device) -> torch.Tensor:
+    return to_device([min(params[i].temperature, TEMPERATURE_MAX) for i in rows], torch.float32, dev)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
@@ -94,11 +102,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         if not group:
             continue
         rows_t = to_device(group, torch.int64, dev)
-        temps = to_device([params[i].temperature for i in group], torch.float32, dev)
+        temps = _temperatures(params, group, dev)
         hashes = row_hash(to_device([seeds[i] for i in group], torch.int64, dev),
                           to_device([steps[i] for i in group], torch.int64, dev))
         k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
-        p = to_device([params[i].top_p for i in group], torch.float32, dev)
+        p = to_device([max(params[i].top_p, TOP_P_MIN) for i in group], torch.float32, dev)
         max_k = min(max(params[i].top_k for i in group), vocab)
         ops = _kernels(logits) if group is few else None
         if ops is not None:
@@ -127,7 +135,7 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
     dev = logits.device
     hashes = row_hash(to_device([seeds[i] for i in rows], torch.int64, dev),
                       to_device([steps[i] for i in rows], torch.int64, dev))
-    temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+    temps = _temperatures(params, rows, dev)
     rows_t = to_device(rows, torch.int64, dev)
     ops = _kernels(logits)
     if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
