@@ -764,6 +764,9 @@ def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
     for bad, shown in zip((got[0], got[2], got[3]), ("True", "750", "datetime.date(2024, 1, 1)")):
         assert isinstance(bad, PromptError) and f"({shown}: YAML reads an unquoted" in str(bad), bad
         assert "quote the prompt" in str(bad)
+    import numpy as np  # a Python caller's numbers: no word of YAML
+    bad, = PromptEncoder(str(DEMO)).encode_all([np.int64(5)])
+    assert isinstance(bad, PromptError) and str(bad).endswith("got int64"), bad
 
 
 def _request(output_ids: list[int]):

@@ -6,6 +6,7 @@ whatever kind, becomes that prompt's error; the other prompts go on.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from array import array
@@ -210,8 +211,8 @@ class PromptEncoder:
             return prompt
         if not isinstance(prompt, str):
             # YAML 1.1 reads an unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a boolean, number or date
-            hint = "" if isinstance(prompt, (list, dict)) or prompt is None else \
-                f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the prompt)"
+            hint = f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the " \
+                "prompt)" if type(prompt) in (bool, int, float, datetime.date, datetime.datetime) else ""
             raise PromptError("a prompt must be a string, a list of token ids or an object; got "
                               f"{type(prompt).__name__}{hint}")
         _check_unicode(prompt, "the prompt")
