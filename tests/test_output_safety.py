@@ -530,6 +530,24 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
                                1)) != run
 
 
+def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
+    """On a terminal with no output file, only `text` was shown: the thinking of a chat model was lost, all of it
+    when max_new_tokens cut inside it (the answer then empty)."""
+    from tp_engine.results import ResultSink
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    sink = ResultSink(None, None, {"model": "m"}, decode=lambda ids: "PROMPT ")
+    line = {"index": 0, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [2] * 12, "finish_reason": "length"}
+    sink.add({**line, "text": "", "reasoning": "a long plan"})
+    sink.add({**line, "index": 1, "text": "the answer", "reasoning": "short"})
+    sink.add({**line, "index": 2, "text": "plain"})  # no chat
+    sink.close()
+    shown = capsys.readouterr().out
+    assert "PROMPT \033[2ma long plan\033[0m\n\n\033[1m\033[0m" in shown
+    assert "PROMPT \033[2mshort\033[0m\n\n\033[1mthe answer\033[0m" in shown
+    assert "PROMPT \033[1mplain\033[0m" in shown
+
+
 def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_path):
     """A hand-edited line with `output_token_ids` a number raised TypeError (a traceback, no line named)."""
     from tp_engine.config import ConfigError, build_config

@@ -236,7 +236,10 @@ class ResultSink:
                 out = json.loads(self.lines[k])
                 place = f"{out['index']}.{out['sample']}" if out.get("sample") else out["index"]
                 head = f"[{place}] {out['finish_reason']}, {len(out['output_token_ids'])} tokens"
-                body = out.get("error") or f"{self.decode(out['prompt_token_ids'])}\033[1m{out['text']}\033[0m"
+                # the thinking (dim) before the answer (bold): cut inside it, the answer is empty
+                thinking = f"\033[2m{out['reasoning']}\033[0m\n\n" if out.get("reasoning") else ""
+                body = out.get("error") or \
+                    f"{self.decode(out['prompt_token_ids'])}{thinking}\033[1m{out['text']}\033[0m"
                 print(f"\033[2m{head}\033[0m\n{body}\n")
             self.printed = True
         else:
