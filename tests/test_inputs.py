@@ -742,6 +742,30 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
     assert proc.stdout == lines[0]["text"] + "\n"
 
 
+def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp_path):
+    """`stream: true | head -c 20`: the closed pipe raised BrokenPipeError on rank 0, the run failed (exit 1) and
+    `output` was never written."""
+    import shlex
+    import subprocess
+    import sys
+
+    import yaml
+
+    from helpers import GENERATE
+    out = tmp_path / "out.jsonl"
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"model": str(DEMO), "device": "cpu", "stream": True, "output": str(out),
+                                    "prompts": ["Alice was beginning to get very tired"],
+                                    "sampling": {"max_new_tokens": 120, "stop": []}}))
+    cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(GENERATE))} --config {shlex.quote(str(conf))} | head -c 20"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(proc.stdout) == 20
+    line, = [json.loads(t) for t in out.read_text().splitlines()]
+    assert line["finish_reason"] == "length" and len(line["output_token_ids"]) == 120
+
+
 def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
     """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line; the command line
     used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""

@@ -1,6 +1,7 @@
 """Rank 0's progress report: a bar on a terminal, a log line every few seconds otherwise."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -79,8 +80,18 @@ class Streamer:
                 return
             text = text[:max(0, len(text) - self.hold)]
         if len(text) > len(self.shown):
-            self.out.write(text[len(self.shown):])
+            self._write(text[len(self.shown):])
             self.shown = text
         if final:
-            self.out.write("\n")
-        self.out.flush()
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        if self.out is None:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except BrokenPipeError:  # the reader left (`| head`): show no more; the run goes on into `output`
+            if self.out is sys.stdout:  # and Python's own flush at exit must not fail on it either
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.out = None
