@@ -108,6 +108,9 @@ def test_split_reasoning_rules():
     assert split_reasoning("what <think> means</think>A tag.", open_think=True) == ("what <think> means", "A tag.")
     assert split_reasoning("what <think> means", open_think=True) == ("what <think> means", "")
     assert split_reasoning("<think>\nwhat <think> is</think>ok") == ("what <think> is", "ok")
+    # blanks alone after the block are no answer (they were kept as indentation)
+    assert split_reasoning("<think>A</think>\n\n  ") == ("A", "")
+    assert split_reasoning("<think>A</think> \n ") == ("A", "")
 
 
 def test_only_the_generation_prompt_opens_thinking():

@@ -46,4 +46,4 @@ def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
         head = head[len(THINK_START):]
     lead = len(tail) - len(tail.lstrip())
     cut = tail.rfind("\n", 0, lead) + 1 or lead  # after the last line break among the leading blanks
-    return head.strip(), tail[cut:] if closed else ""
+    return head.strip(), tail[cut:] if closed and tail.strip() else ""  # blanks alone: no answer
