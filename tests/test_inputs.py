@@ -225,6 +225,12 @@ CONFIG_JSON_CASES = {
     "more_kv_heads_than_heads": ({"num_key_value_heads": 8}, "num_attention_heads=4 is not a multiple of "
                                                              "num_key_value_heads=8"),
     "odd_head_dim": ({"head_dim": 33}, "head_dim=33 must be even"),
+    # these named the architecture, which is supported, as unsupported, and not model_type
+    "model_type_of_another_arch": ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' does not match "
+                                                                "architectures ['Qwen3ForCausalLM']"),
+    "unsupported_model_type": ({"model_type": "qwen2"}, "unsupported model_type 'qwen2'"),
+    "unsupported_architecture": ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture "
+                                                                          "['LlamaForCausalLM']"),
 }
 
 

@@ -53,10 +53,13 @@ class ModelConfig:
         check_field_types(raw, where)
         arch = raw.get("architectures") or []
         kind = raw.get("model_type") or {v: k for k, v in ARCHITECTURES.items()}.get(arch[0] if arch else None, "qwen3")
-        if kind not in ARCHITECTURES or (arch and arch[0] != ARCHITECTURES[kind]):
-            raise ModelError(f"{where}: unsupported architecture {arch or raw.get('model_type')!r}; "
-                             "this engine runs Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM "
-                             "(model_type qwen3_moe)")
+        runs = "this engine runs Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM (model_type qwen3_moe)"
+        if arch and arch[0] not in ARCHITECTURES.values():
+            raise ModelError(f"{where}: unsupported architecture {arch!r}; {runs}")
+        if kind not in ARCHITECTURES:
+            raise ModelError(f"{where}: unsupported model_type {kind!r}; {runs}")
+        if arch and arch[0] != ARCHITECTURES[kind]:
+            raise ModelError(f"{where}: model_type {kind!r} does not match architectures {arch!r}; {runs}")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in raw]
         if missing:
