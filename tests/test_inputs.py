@@ -279,6 +279,21 @@ def test_a_checkpoint_without_eos_is_warned_about(tmp_path, caplog):
     assert "eos_token_id" not in caplog.text
 
 
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp_path, nproc):
+    """A vocab_size of 1e11 (or a model too large for the device) failed in the allocator with a traceback on
+    every rank and exit 1, config.json unnamed."""
+    from helpers import make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "m")
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "vocab_size": 10**11}))
+    proc, _ = run_cli({"model": str(ckpt), "prompts": [{"input_ids": [1, 2]}]}, tmp_path, nproc=nproc)
+    assert proc.returncode == (2 if nproc == 0 else 1), proc.stderr[-3000:]  # torchrun: 1 when a rank fails
+    assert "alloc_cpu" not in proc.stderr and (nproc == 0 or re.search(r"exitcode\s*: 2\b", proc.stderr))
+    assert f"{ckpt}/config.json: the model does not fit in cpu memory" in proc.stderr
+    assert "vocab_size 100000000000, hidden_size" in proc.stderr and "use more ranks or FP8 weights" in proc.stderr
+
+
 def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkeypatch):
     """Requests longer than the pool end with finish_reason length: the start-up line says where the limit is."""
     import logging

@@ -109,7 +109,13 @@ class Engine:
                              f"max_position_embeddings {mc.max_position_embeddings}")
         check_backend(cfg["attention_backend"], device)
         t0 = time.perf_counter()
-        self.model = self._build_model()
+        try:
+            self.model = self._build_model()
+        except RuntimeError as e:  # torch.OutOfMemoryError too: config.json's sizes, or a device too small
+            if "alloc" not in str(e):
+                raise
+            raise ValueError(f"{cfg['model']}/config.json: {mc.too_big(e, device, self.tp.size, self.dtype.itemsize)}") \
+                from None
         self.load_seconds = time.perf_counter() - t0
 
     def _use_fused_kernels(self, ops) -> None:

@@ -4,6 +4,7 @@ across the TP size."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,22 @@ class ModelConfig:
                              f"size {tp}: it must divide evenly")
         if any(sparse):
             self.moe.check_tp(tp)
+
+    def too_big(self, error: Exception, device: Any, tp: int, itemsize: int) -> str:
+        """What to say when the model ran out of memory as it was built (torch's `error`): config.json's sizes
+        and about what they weigh."""
+        asked = re.search(r"ried to allocate (\d[\d.]* ?[A-Za-z]+)", str(error))  # torch's CPU and CUDA wording
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inner = [self.moe.num_experts * self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(i)
+                 else self.intermediate_size for i in range(self.num_layers)]
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        lin = self.num_layers * h * (2 * q + 2 * kv) + 3 * h * sum(inner)  # one byte each in block-FP8
+        params, weight_bytes = emb + lin, emb * itemsize + lin * (1 if self.quant is not None else itemsize)
+        return (f"the model does not fit in {device} memory{f' (it asked for {asked[1]} at once)' if asked else ''}: "
+                f"vocab_size {self.vocab_size}, hidden_size {h}, intermediate_size {self.intermediate_size} and "
+                f"num_hidden_layers {self.num_layers} make about {params / 1e9:.3g}B parameters, "
+                f"{weight_bytes / tp / 2**30:.3g} GiB a rank at TP {tp}; use more ranks or FP8 weights, or check "
+                "those sizes")
 
 
 def _first_sliding_layer(raw: dict, kind: str) -> int | None:
