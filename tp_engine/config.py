@@ -166,7 +166,7 @@ def _flatten(d: dict, flat: dict[str, Any], written: dict[str, str], prefix: str
         name = f"{prefix}{k}"
         parent, _, entry = name.partition(".")
         how = f"'{k}' in section '{prefix[:-1]}'" if prefix else f"'{k}'"
-        if name not in SECTIONS and written.setdefault(name, how) is not how:
+        if name not in SECTIONS and written.setdefault(name, how) != how:
             raise ConfigError(f"config key '{name}' is given twice: as {written[name]} and as {how}")
         if name in SECTIONS:
             if v is not None and not isinstance(v, dict):  # null: a section whose keys are all commented out
