@@ -570,7 +570,7 @@ def bench_shared_prefix(engine: Engine, args, res: dict) -> None:
 def bench_long_prompt(engine: Engine, args, res: dict) -> None:
     """Decoders run; a long prompt arrives: its TTFT and their time per token while it prefills, chunked and not."""
     vocab, cfg = engine.model_cfg.vocab_size, dict(engine.cfg)
-    chunk, cost = cfg["max_prefill_tokens"], cfg["max_prefill_cost_while_decoding"]
+    chunk, cost = args.long_chunk, cfg["max_prefill_cost_while_decoding"]
     warm = random_ids(random.Random(args.seed), min(args.long_len, 2048), vocab)
     run_requests(engine, [Request(0, warm, SamplingParams(max_new_tokens=4, ignore_eos=True))])
     out = {}
@@ -626,7 +626,7 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
                           "decode_tokens_while_prefilling": len(gaps),
                           "decode_tpot_ms_p50_otherwise": round(pct(steady, 50) * 1e3, 3),
                           "p99_while_prefilling_over_p50": round(pct(gaps, 99) / pct(steady, 50), 2)}
-    engine.cfg["max_prefill_tokens"], engine.cfg["max_prefill_cost_while_decoding"] = chunk, cost
+    engine.cfg["max_prefill_tokens"], engine.cfg["max_prefill_cost_while_decoding"] = cfg["max_prefill_tokens"], cost
     if engine.tp.is_first:
         res["long_prompt"] = {"long_len": args.long_len, "decoders": args.long_decoders, **out}
 
@@ -766,11 +766,15 @@ def set_measuring_knobs(args) -> dict:
 def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict, fp8: bool) -> None:
     """Our engine on the workloads, its figures into `res`."""
     cfg = C.build_config(None, args.overrides, **options)
+    args.long_chunk = cfg["max_prefill_tokens"]  # long_prompt's chunked modes
+    if "long_prompt" in workloads:  # its unchunked mode runs the whole prompt in one step: plan memory for it
+        cfg["max_prefill_tokens"] = max(args.long_chunk, args.long_len + args.long_decoders)
     t0 = time.perf_counter()
     try:
         engine = Engine(cfg)
     except Exception as e:
-        if not cfg["cuda_graph"] or world > 1:
+        # out of memory is not a graph problem: the eager engine would need the same memory, and more time
+        if not cfg["cuda_graph"] or world > 1 or "out of memory" in str(e):
             raise
         import traceback  # measure the eager path rather than nothing, and say why
         traceback.print_exc()
@@ -788,6 +792,9 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
                       "ratio": round(wb / expect, 4)}
     if torch.cuda.is_available():
         res["weights"]["gpu_allocated_after_start"] = torch.cuda.memory_allocated()
+        if engine.memory is not None:  # the start-up memory plan, and what the CUDA graphs took in the end
+            res["memory_plan"] = {**vars(engine.memory), "graph_bytes_measured": engine.graph_bytes,
+                                  "card_bytes": torch.cuda.mem_get_info()[1]}
     res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
     res["cuda_graph"] = engine.graphs is not None
     from tp_engine.kernels import fp8 as fp8_kernels, fused_ops, gemv, mlp

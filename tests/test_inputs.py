@@ -297,9 +297,9 @@ def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp
 def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkeypatch):
     """Requests longer than the pool end with finish_reason length: the start-up line says where the limit is."""
     import logging
-    from tp_engine import engine
+    from tp_engine import memory_plan
     from tp_engine.llm import LLM
-    monkeypatch.setattr(engine, "budget_pages", lambda *a: 4)  # as a small default pool on the CPU would be
+    monkeypatch.setattr(memory_plan, "budget_pages", lambda *a: 4)  # as a small default pool on the CPU would be
     with caplog.at_level(logging.INFO, logger="tp_engine"):
         LLM(model=str(DEMO), device="cpu").shutdown()
     assert ("KV cache: 4 pages of 16 tokens = 64 tokens per rank; a request holds at most 64 of max_model_len 512 "

@@ -106,7 +106,9 @@ SCHEMA: dict[str, Key] = {
     "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=_positive),
     "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),
     "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: from free GPU memory on CUDA, on CPU up to 1 GiB per rank", check=_positive),
-    "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "fraction of free GPU memory (after weights) the KV pool takes", check=_fraction),
+    "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "share of the GPU's memory the engine may hold (weights, "
+                                           "largest step, CUDA graphs, KV pool); the rest stays free",
+                                           check=_fraction),
     "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_temperature),
     "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=_non_negative),
     "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=_fraction),

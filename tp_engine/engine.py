@@ -18,14 +18,12 @@ from tp_engine import comm, kernels
 from tp_engine.attention import check_backend, make_backend
 from tp_engine.config import fingerprint
 from tp_engine.context import Batch, forward_context
-from tp_engine.kv_cache import KVCache, budget_pages, check_pool, pages_for
+from tp_engine.kv_cache import KVCache
+from tp_engine.memory_plan import gib, graph_oom, num_pages, step_oom
 from tp_engine.kernels import fused_ops
-from tp_engine.layers.fp8 import finish_loading, quantize_linears, settle_experts
-from tp_engine.layers.linear import weights_on_meta
-from tp_engine.loader import init_dummy, load_checkpoint
+from tp_engine.layers.fp8 import settle_experts
 from tp_engine.model_config import ModelConfig
-from tp_engine.models import build_model
-from tp_engine.models.qwen3 import Qwen3ForCausalLM
+from tp_engine.models import load_model
 from tp_engine.page_pool import PagePool
 from tp_engine.sampler import request_seed, sample, token_logprobs
 from tp_engine.scheduler import Plan, Request, Scheduler
@@ -67,9 +65,15 @@ class Engine:
         page_size = cfg["kv_cache"]["page_size"]
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         self.kv_heads_local = qkv.kv_heads
-        try:  # raises only past _num_pages' collective, which no rank then misses: check_startup agrees
-            self.kv = KVCache(mc.num_layers, self._num_pages(), page_size, qkv.kv_heads, mc.head_dim, self.dtype,
-                              device)
+        self.step_tokens = cfg["max_prefill_tokens"]  # the largest step, as the memory plan measured it
+        graphs = self._graphs_wanted()
+        graph_tokens = min(cfg["cuda_graph_max_tokens"], cfg["max_prefill_tokens"]) if graphs and \
+            self.tp.size == 1 else 0  # piecewise_graph.py: TP 1 only
+        graph_batch = min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]) if graphs else 0
+        per_page = KVCache.bytes_per_page(mc.num_layers, page_size, qkv.kv_heads, mc.head_dim, self.dtype)
+        try:  # raises only past num_pages' collective, which no rank then misses: check_startup agrees
+            pages, self.memory = num_pages(self, per_page, graph_tokens, graph_batch)
+            self.kv = KVCache(mc.num_layers, pages, page_size, qkv.kv_heads, mc.head_dim, self.dtype, device)
         except ValueError as e:  # no room for a page, or no memory for the pages asked for
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
@@ -83,14 +87,10 @@ class Engine:
         # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
         self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
+        self.graph_bytes = 0  # what their memory pools hold
         self.sched: Scheduler | None = None  # the latest run's
-        if device.type == "cuda" and cfg["cuda_graph"] and mc.moe is not None and fused_ops(device) is None:
-            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # see moe.py
-        elif device.type == "cuda" and cfg["cuda_graph"] and self.attn.name == "flashinfer":
-            from tp_engine.cuda_graph import GraphRunner
-            from tp_engine.piecewise_graph import piecewise_graphs
-            self.graphs = GraphRunner(self, min(cfg["cuda_graph_max_batch"], self.max_batch))
-            self.pieces = piecewise_graphs(self)
+        if graphs:
+            self._capture_graphs()
 
     # ---- set-up ----
 
@@ -110,7 +110,7 @@ class Engine:
         check_backend(cfg["attention_backend"], device)
         t0 = time.perf_counter()
         try:
-            self.model = self._build_model()
+            self.model = load_model(mc, cfg, self.dtype, device, self.tp.rank)
         except RuntimeError as e:  # torch.OutOfMemoryError too: config.json's sizes, or a device too small
             if "alloc" not in str(e):
                 raise
@@ -126,37 +126,29 @@ class Engine:
             ops = None
         kernels.use(ops)
 
-    def _build_model(self) -> Qwen3ForCausalLM:
-        quant = self.model_cfg.quant
-        torch.set_default_dtype(self.dtype)
-        try:  # block-FP8: the linear weights never exist in the compute dtype (weights_on_meta)
-            with torch.device(self.device), weights_on_meta(quant is not None):
-                model = build_model(self.model_cfg)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        if quant is not None:  # fp8 shards and their scales, on the device
-            quantize_linears(model, quant, self.cfg["advanced"]["fp8_gemm"] == "w8a8", self.device)
-        if self.cfg["load_format"] == "dummy":
-            init_dummy(model, self.cfg["seed"], self.tp.rank)
-        else:
-            load_checkpoint(model, self.cfg["model"])
-        finish_loading(model)  # CPU: FP8 weights dequantized here, once
-        return model.eval()
+    def _graphs_wanted(self) -> bool:
+        """Whether this engine captures CUDA graphs (decode steps; prompt steps too at TP 1)."""
+        cfg, device = self.cfg, self.device
+        if device.type != "cuda" or not cfg["cuda_graph"] or cfg["attention_backend"] == "torch":
+            return False
+        if self.model_cfg.moe is not None and fused_ops(device) is None:
+            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # moe.py
+            return False
+        return True
 
-    def _num_pages(self) -> int:
-        kvc, mc = self.cfg["kv_cache"], self.model_cfg
-        per_page = KVCache.bytes_per_page(mc.num_layers, kvc["page_size"], self.kv_heads_local, mc.head_dim, self.dtype)
-        if kvc["num_pages"]:
-            return kvc["num_pages"]
-        most = self.cfg["max_batch_size"] * pages_for(self.max_model_len, kvc["page_size"])
-        n = comm.all_reduce_min(budget_pages(kvc, per_page, self.device, most), self.tp)  # the same pool on all
-        check_pool(n, kvc, per_page, self.device)
+    def _capture_graphs(self) -> None:
+        """The decode graphs and the prompt-step pieces; out of memory here is named, with what to lower."""
+        from tp_engine.cuda_graph import GraphRunner
+        from tp_engine.piecewise_graph import piecewise_graphs
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            self.graphs = GraphRunner(self, min(self.cfg["cuda_graph_max_batch"], self.max_batch))
+            self.pieces = piecewise_graphs(self)
+        except torch.cuda.OutOfMemoryError as e:  # this rank leaves at once: the others may wait in a collective
+            raise comm.StartupError(graph_oom(self, e)) from None
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
         if self.tp.is_first:
-            pool = n * kvc["page_size"]
-            short = f"; a request holds at most {pool} of max_model_len {self.max_model_len} tokens " \
-                "(kv_cache.num_pages sets the pool)" if pool < self.max_model_len else ""
-            log.info("KV cache: %d pages of %d tokens = %d tokens per rank%s", n, kvc["page_size"], pool, short)
-        return n
+            log.info("CUDA graphs hold %s", gib(self.graph_bytes))
 
     @property
     def max_request_len(self) -> int:
@@ -185,8 +177,11 @@ class Engine:
             self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
             return self.pieces.run(batch)
         self.attn.prepare(batch)
-        with forward_context(batch, self.kv, self.attn):
-            return self.model(batch.input_ids)
+        try:
+            with forward_context(batch, self.kv, self.attn):
+                return self.model(batch.input_ids)
+        except torch.cuda.OutOfMemoryError as e:
+            raise RuntimeError(step_oom(self, batch, e)) from None
 
     @torch.inference_mode()
     def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -224,6 +219,9 @@ class Engine:
     # ---- the generation loop, on rank 0 ----
 
     def new_scheduler(self) -> Scheduler:
+        if self.cfg["max_prefill_tokens"] > self.step_tokens:
+            raise ValueError(f"max_prefill_tokens {self.cfg['max_prefill_tokens']} is larger than the "
+                             f"{self.step_tokens} this engine measured its memory for at start-up")
         self.pool.reset_refs()  # a run that ended early may have left references behind
         self.tables.clear()
         return Scheduler(self.pool, self.max_batch, self.cfg["max_prefill_tokens"], self.max_request_len,

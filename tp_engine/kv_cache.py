@@ -12,24 +12,19 @@ import torch
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
 
 
-def budget_pages(kvc: dict, per_page: int, device: torch.device, most: int) -> int:
-    """The pages this rank's byte budget holds, its scratch page counted: `gpu_memory_utilization` of the free GPU
-    memory, or on CPU CPU_KV_BYTES and at most `most` (what max_batch_size requests of full length could use)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * kvc["gpu_memory_utilization"]) // per_page - 1
+def budget_pages(kvc: dict, per_page: int, most: int) -> int:
+    """The pages of a CPU rank's default pool, its scratch page counted: CPU_KV_BYTES, and at most `most` (what
+    max_batch_size requests of full length could use). On CUDA, memory_plan.py sizes the pool."""
     return min(CPU_KV_BYTES // per_page - 1, most)
 
 
-def check_pool(n: int, kvc: dict, per_page: int, device: torch.device) -> None:
-    """A pool sized from the budget must hold a page; else say which keys to change."""
+def check_pool(n: int, kvc: dict, per_page: int) -> None:
+    """A CPU pool must hold a page; else say which keys to change."""
     if n < 1:
-        budget = f"kv_cache.gpu_memory_utilization {kvc['gpu_memory_utilization']} of the free GPU memory" \
-            if device.type == "cuda" else f"the CPU budget of {CPU_KV_BYTES >> 20} MiB"
         raise ValueError(f"no room for the KV cache: a page of kv_cache.page_size {kvc['page_size']} tokens takes "
-                         f"{per_page:,} bytes per rank, and {budget} (after the weights) holds fewer than two; "
-                         "lower kv_cache.page_size, or give the pool more memory (or the model more GPUs)")
+                         f"{per_page:,} bytes per rank, and the CPU budget of {CPU_KV_BYTES >> 20} MiB holds fewer "
+                         "than two; lower kv_cache.page_size, or set kv_cache.num_pages (or give the model more "
+                         "ranks)")
 
 
 class KVCache:
