@@ -137,20 +137,26 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
 @torch.inference_mode()
 def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
     """Peak bytes an eager prompt step of `tokens` tokens over `rows` requests takes (rows - 1 of one token, one
-    of the rest), its attention backend's buffers included, on a scratch KV cache that is not counted; with
-    `sampled`, rank 0 also samples every row with a full sort of the vocabulary and takes 20 logprobs."""
+    of the rest), on a scratch KV cache that is not counted. With `sampled`, the step as the engine runs it:
+    its attention backend's buffers counted, and rank 0 samples every row with a full sort of the vocabulary
+    and takes 20 logprobs; without, what a CUDA graph of the step holds."""
     mc, dev, S = engine.model_cfg, engine.device, engine.cfg["kv_cache"]["page_size"]
     lens = [1] * (rows - 1) + [tokens - rows + 1]
     pages = [pages_for(n, S) for n in lens]
     kv = KVCache(mc.num_layers, sum(pages), S, engine.kv_heads_local, mc.head_dim, engine.dtype, dev)
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+
+    def backend():
+        return make_backend(engine.cfg["attention_backend"], dev, num_heads=qkv.q_heads,
+                            num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=S, dtype=engine.dtype,
+                            max_batch=rows, num_pages=kv.num_pages)
+
+    attn = None if sampled else backend()  # a graph's pool holds no attention buffers: they are not counted
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    qkv = engine.model.model.layers[0].self_attn.qkv_proj
-    attn = make_backend(engine.cfg["attention_backend"], dev, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
-                        head_dim=mc.head_dim, page_size=S, dtype=engine.dtype, max_batch=rows,
-                        num_pages=kv.num_pages)
+    attn = attn or backend()
     starts = np.cumsum([0] + pages[:-1])
     tables = [np.arange(s, s + p, dtype=np.int32) for s, p in zip(starts, pages)]
     loc = np.concatenate([t[np.arange(n) // S] * S + np.arange(n) % S for t, n in zip(tables, lens)])
