@@ -111,7 +111,7 @@ if triton is not None:
 # 43-63% of flashinfer's time at 128 tokens, 67-87% at 512, 86-100% at 1,024; beyond, flashinfer's is faster.
 MAX_CONTEXT = 1024
 
-# Measured on an H200 (docs/benchmarks.md): 128 tokens per iteration for up to 16 requests, 64 above. A request
+# Measured on an H200 (docs/benchmarks-history.md): 128 tokens per iteration for up to 16 requests, 64 above. A request
 # of at most one iteration's tokens runs in one program (no partials, no merge); a longer one in up to
 # MAX_SPLITS, as many as give two programs per SM
 MAX_SPLITS = 32

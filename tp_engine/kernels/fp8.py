@@ -155,7 +155,7 @@ def _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket, after
     if after_norm and bucket == 1:
         # As in a decode step: each call reads a norm's output, and its first tile is prefetched while the short
         # norm runs. Timed back to back instead, that prefetch overlaps the call before, which favours tiles
-        # with a large first tile; for Qwen3-8B's Q/K/V those were 0.7% slower in the step (docs/benchmarks.md).
+        # with a large first tile; for Qwen3-8B's Q/K/V those were 0.7% slower in the step (docs/benchmarks-history.md).
         res, norm_w = torch.randn_like(xs), torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
         inputs = lambda: add_rmsnorm(xs, res, norm_w, 1e-6)[0]  # noqa: E731
     weights = cold_copies(weight)

@@ -154,7 +154,7 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 
 
 # (output rows per program, reduction step, warps) of the few-token path, the best of a sweep of 55 and 32
-# tiles on Qwen3-30B-A3B's experts (docs/benchmarks.md). The fp32 partial sums stay in registers without spills
+# tiles on Qwen3-30B-A3B's experts (docs/benchmarks-history.md). The fp32 partial sums stay in registers without spills
 # (compiled for sm_90 in tests/test_moe_kernels.py; the down kernel holds k = 8 times rows x step). Each shape
 # times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does).
 GEMV_TILES = [(1, 512, 2), (1, 1024, 4), (8, 128, 8), (8, 512, 2), (1, 256, 2), (2, 1024, 4)]
