@@ -1,5 +1,7 @@
-"""The launchers, through the real commands: no rank outlives its launcher, killed at any moment."""
+"""The launchers, through the real commands: tp-generate ends a failed job in the failing rank's own words and
+exit status, with no launcher traceback or log lines; no rank outlives its launcher, killed at any moment."""
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -7,8 +9,9 @@ import sys
 import time
 
 import pytest
+import yaml
 
-from helpers import GENERATE, ROOT, make_checkpoint, start_job, worker_pids
+from helpers import GENERATE, ROOT, TP_GENERATE, make_checkpoint, start_job, wait_for_lines, worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,11 @@ def long_cfg(ckpt, out):
                 sampling={"max_new_tokens": 40, "ignore_eos": True})
 
 
+def tp_generate(*args, env=None):
+    return subprocess.run([*TP_GENERATE, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
 def alive(pid):
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -41,6 +49,113 @@ def kill_all(pids):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# ---- tp-generate: the rank's words and status ----
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_config_error_is_the_ranks_one_line_and_status(ckpt, tmp_path, nproc):
+    """A typo in a config key ends in the rank's one `error:` line and status 2, and nothing else: no
+    traceback, no ChildFailedError summary, no log lines (one rank runs in the launcher's process)."""
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump(base(ckpt, sampling={"temprature": 0.5})))
+    proc = tp_generate(f"--nproc_per_node={nproc}", "--config", str(conf))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "error: unknown config key 'sampling.temprature'; did you mean 'sampling.temperature'?"]
+
+
+CRASH = """
+import os
+if os.environ.get("RANK") == "1":  # an unexpected exception on rank 1, as a bug would raise
+    from tp_engine import cli
+    def run(*args, **kw):
+        raise ZeroDivisionError("injected crash")
+    cli.run = run
+"""
+
+
+def test_a_crash_keeps_its_traceback(ckpt, tmp_path):
+    """A rank's unexpected exception: its traceback stays, the job exits with the rank's status 1."""
+    (tmp_path / "sitecustomize.py").write_text(CRASH)  # imported at start-up by every process of the job
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump(base(ckpt)))
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = tp_generate("--nproc_per_node=2", "--config", str(conf), env={"PYTHONPATH": path})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert 'raise ZeroDivisionError("injected crash")' in proc.stderr
+    assert "error: rank 1: ZeroDivisionError: injected crash" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "FAILED" not in proc.stderr
+
+
+def test_job_status_is_the_first_failed_ranks(capsys):
+    """The job's status is the first failed rank's; a rank killed by a signal other than the launcher's
+    SIGTERM (which stops the others) comes first and gets a line, since it could not say why itself."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from tp_engine.launcher import job_status
+
+    def failures(*codes):  # in the order the launcher found them
+        return {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+                for rank, code in codes}
+
+    assert job_status(failures((0, 2), (1, 143))) == 2  # a config error; rank 1 stopped by the launcher
+    assert job_status(failures((1, 1), (0, 143))) == 1
+    assert job_status(failures((0, 2), (1, -signal.SIGTERM))) == 2  # stopped before it had set its handlers
+    assert capsys.readouterr().err == ""
+    assert job_status(failures((0, 1), (1, -signal.SIGKILL))) == 128 + signal.SIGKILL
+    assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGKILL\n"
+
+
+def test_ctrl_c_ends_the_job_in_the_ranks_words(ckpt, tmp_path):
+    """Ctrl-C reaches the launcher (the ranks have sessions of their own): it stops the ranks, rank 0 says
+    where the finished results are, and the job exits 130, without a SignalException traceback."""
+    out = tmp_path / "out.jsonl"
+    proc = start_job(long_cfg(ckpt, out), tmp_path, tp_generate=True)
+    ranks = {}
+    try:
+        wait_for_lines(out, 1, proc)
+        ranks = worker_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_all([proc.pid, *ranks.values()])
+    assert proc.returncode == 130, err[-3000:]
+    assert f"stopped by SIGINT: finished results are in {out}" in err
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert len(ranks) == 2 and not any(alive(pid) for pid in ranks.values())
+
+
+def test_launcher_usage_errors_and_help(tmp_path):
+    """A bad launcher option or an unknown option is one message, before any rank starts; --help lists the
+    launcher's options and the command line's."""
+    proc = tp_generate("--nproc_per_node=abc", "--config", "run.yaml")
+    assert proc.returncode == 2 and proc.stderr == "error: launcher: Unsupported nproc_per_node value: abc\n"
+    proc = tp_generate("--nproc_per_node=2", "--confg", "run.yaml")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("tp-generate: error: unrecognized arguments: --confg run.yaml\n"), proc.stderr
+    out = tp_generate("--help").stdout
+    for text in ("--nproc-per-node", "--nnodes", "--master-addr", "--config", "--set KEY=VALUE",
+                 "--print-config", "  sampling.temperature = "):
+        assert text in out, text
+    assert "--no-python" not in out and "--module" not in out  # tp-generate chooses what the ranks run
+
+
+def test_options_go_to_the_launcher_or_to_the_ranks():
+    from tp_engine.launcher import make_parser, split
+    p, launcher = make_parser()
+    argv = ["--nproc-per-node", "2", "--config", "run.yaml", "--master_port=29501", "--set", "seed=1", "-r3",
+            "--print-config", "--standalone"]
+    ours, ranks = split(argv, p, launcher)
+    assert ours == ["--nproc-per-node", "2", "--master_port=29501", "-r3", "--standalone"]
+    assert ranks == ["--config", "run.yaml", "--set", "seed=1", "--print-config"]
+
+
+def test_console_script_is_the_launcher():
+    """pyproject.toml's tp-generate names the launcher's main."""
+    from tp_engine import launcher
+    m = re.search(r'^tp-generate = "tp_engine\.(\w+):(\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert m and m.groups() == ("launcher", "main") and callable(launcher.main)
 
 
 # ---- no rank outlives its launcher ----
@@ -70,7 +185,7 @@ MOMENTS = {  # seconds after the ranks appear: their interpreter's start-up, bef
 }
 
 
-CASES = [("torchrun", moment) for moment in MOMENTS]
+CASES = [("torchrun", moment) for moment in MOMENTS] + [("tp-generate", "imports_1s")]
 
 
 @pytest.mark.parametrize("launcher, moment", CASES)
@@ -83,7 +198,8 @@ def test_no_rank_outlives_its_killed_launcher(ckpt, tmp_path, launcher, moment):
         script.write_text(STALL.format(root=str(ROOT), marker=str(marker), owner=when[0], name=when[1]))
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
-        proc = start_job(long_cfg(ckpt, tmp_path / "out.jsonl"), tmp_path, script=script, stderr=err)
+        proc = start_job(long_cfg(ckpt, tmp_path / "out.jsonl"), tmp_path, script=script, stderr=err,
+                         tp_generate=launcher == "tp-generate")
     ranks = {}
     try:
         t0 = time.time()
