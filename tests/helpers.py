@@ -14,6 +14,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ROOT / "launch" / "generate.py"
+TP_GENERATE = [sys.executable, "-m", "tp_engine.launcher"]  # the tp-generate console script; run it from ROOT
 
 
 def make_checkpoint(path: Path, *, vocab: int = 512, hidden: int = 64, inter: int = 128, layers: int = 2,
@@ -154,13 +155,18 @@ def run_cli(cfg: dict, tmp_path: Path, nproc: int = 0, args: tuple = (), timeout
     return proc, lines
 
 
-def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job", stderr=subprocess.PIPE):
-    """Start the CLI under torchrun in the background, detached with setsid like a job started from a shell."""
+def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job", stderr=subprocess.PIPE, tp_generate=False):
+    """Start the CLI under torchrun (or tp-generate, which takes no script) in the background, detached with
+    setsid like a job started from a shell."""
     conf = tmp_path / f"{name}.yaml"
     conf.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(script), "--config", str(conf)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    if tp_generate:
+        cmd = [*TP_GENERATE, f"--nproc_per_node={nproc}"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               str(script)]
+    cmd += ["--config", str(conf)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
 
 

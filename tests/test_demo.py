@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import GENERATE, ROOT, run_cli
+from helpers import GENERATE, ROOT, TP_GENERATE, run_cli
 
 DEMO = ROOT / "configs" / "models" / "demo"
 CORPUS = (ROOT / "launch" / "data" / "corpus.txt").read_text()
@@ -28,16 +28,23 @@ def test_demo_continues_phrases_from_its_training_text(tmp_path, tp):
         assert words(phrase + line["text"]) in words(CORPUS), line["text"]  # the book, word for word
 
 
-def test_demo_config_runs_as_the_readme_says(tmp_path):
+def test_demo_config_runs_as_the_readme_says():
+    """The README's demo command (tp-generate, from the checkout's root) prints what its lower-level form,
+    torchrun with launch/generate.py, prints: one JSON line per prompt, piped."""
     conf = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(GENERATE), "--config", str(ROOT / "configs" / "demo.yaml"),
-                           "--set", f"output={tmp_path / 'demo.jsonl'}"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (tmp_path / "demo.jsonl").read_text().splitlines()]
+    launchers = {"tp-generate": [*TP_GENERATE, "--nproc_per_node=2"],
+                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                              str(GENERATE)]}
+    stdout = {}
+    for name, launcher in launchers.items():
+        proc = subprocess.run([*launcher, "--config", "configs/demo.yaml"], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout[name] = proc.stdout
+    lines = [json.loads(x) for x in stdout["tp-generate"].splitlines()]
     assert len(lines) == len(conf["prompts"])
     assert words(conf["prompts"][0] + lines[0]["text"]) in words(CORPUS)
+    assert stdout["tp-generate"] == stdout["torchrun"]
 
 
 def test_chat_template_with_options(tmp_path):

@@ -17,7 +17,8 @@ def test_configuration_doc_lists_every_key():
 
 def test_readme_commands_and_links():
     text = (ROOT / "README.md").read_text()
-    assert "torchrun --nproc_per_node=2 launch/generate.py --config configs/demo.yaml" in text
+    assert "tp-generate --nproc_per_node=2 --config configs/demo.yaml" in text  # test_demo.py runs it
+    assert "torchrun --nproc_per_node=2 launch/generate.py --config configs/demo.yaml" in text  # its lower form
     assert "python -m pytest -q -n 2 tests" in text
     assert "python -m pytest -q -n 2 tests" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's command
     for link in re.findall(r"\]\((docs/[^)#]+)", text):

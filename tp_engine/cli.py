@@ -1,4 +1,4 @@
-"""Command line: `torchrun --nproc_per_node=N launch/generate.py --config FILE.yaml [--set key=value ...]`."""
+"""The command line each rank runs (launch/generate.py, python -m tp_engine); launcher.py starts the ranks."""
 from __future__ import annotations
 
 import argparse
@@ -46,19 +46,19 @@ def describe_keys() -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="generate.py", description="Tensor-parallel Qwen3 generation.",
+def make_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Tensor-parallel Qwen3 generation.",
                                 epilog=EXAMPLES + describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set sampling.max_new_tokens=32")
     p.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = make_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 and not args.quiet else logging.WARNING,
                         format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         _STOPPING.acquire(blocking=False)  # a signal now (torchrun's, as the others stop) must not hide why
         message = failure_report() or f"{type(e).__name__}: {e}"  # a stuck push all-reduce stops its kernel
         if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
-            message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; torchrun's summary " \
+            message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; the launcher " \
                 "names it"  # its traceback would only show where this rank was waiting
         elif isinstance(e, RuntimeError) and "Timed out waiting" in str(e) and "timeout_s" not in str(e):
             # gloo's own words; a message of the engine's that names timeout_s already says what waited
