@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "pieces (not the decode kernel on short contexts)")
     p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
     p.add_argument("--out", help="also write the JSON line to this file")
+    p.add_argument("--memory-cap-gib", type=float, default=None,
+                   help="cap the allocator at this many GiB (torch.cuda.set_per_process_memory_fraction), e.g. 79.1 "
+                        "to run as on an 80 GB H100; the memory plan sizes the KV pool within it")
     return p.parse_args(argv)
 
 
@@ -835,9 +838,14 @@ def main(argv=None) -> int:
         raise SystemExit("--workload load needs --write-checkpoint DIR")
     cfg_json = json.loads((Path(args.model) / "config.json").read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.memory_cap_gib:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(local)[1]), local)
     res: dict = {"model": Path(args.model).name, "tp": world, "gpu": args.gpu, "workloads": sorted(workloads),
                  "date": time.strftime("%Y-%m-%d"), "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args), "weight_formats": args.weights}
+                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args), "weight_formats": args.weights,
+                 "memory_cap_gib": args.memory_cap_gib}
     ckpt = None
     try:
         if args.write_checkpoint and world > 1:  # the engine would join the ranks later; the writer needs them now
