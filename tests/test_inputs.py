@@ -247,7 +247,7 @@ def test_config_json_fields_are_type_checked(tmp_path, case):
 # ---- the Python API ----
 
 BAD_SAMPLING = [("temperature", "0.7"), ("max_new_tokens", 1.5), ("stop_token_ids", 5), ("top_k", True),
-                ("top_p", 0), ("stop", [""]), ("seed", 2**32), ("seed", -1)]
+                ("top_p", 0), ("stop", [""]), ("seed", 2**32), ("seed", -1), ("stop", ["ok", "x\udc00"])]
 
 
 @pytest.mark.parametrize("name,value", BAD_SAMPLING)
@@ -447,6 +447,10 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
                                        "config key 'chat_template_kwargs' must have string keys"),
+    # half of a surrogate pair: no decoded text holds one, so it could never match
+    "stop_with_a_lone_surrogate": (['sampling.stop=["ok", "\\ud800"]'],
+                                   "config key 'sampling.stop' item 1 is not valid Unicode (a lone surrogate "
+                                   "\\ud800 at character 0): no output text can hold it"),
 }
 
 

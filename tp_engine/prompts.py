@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tp_engine.config import ConfigError
-from tp_engine.textio import jsonl_lines, read_utf8
+from tp_engine.textio import jsonl_lines, lone_surrogate, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
@@ -253,12 +253,10 @@ def _checked_messages(messages: Any) -> list[dict]:
 
 
 def _check_unicode(text: str, what: str) -> None:
-    """JSON's \\ud800 escapes give lone surrogates, which no tokenizer takes: say so, not the tokenizer's TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PromptError(f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
-                          f"character {e.start}") from None
+    """Say where a lone surrogate is, not the tokenizer's TypeError."""
+    bad = lone_surrogate(text)
+    if bad:
+        raise PromptError(f"{what} is not valid Unicode: {bad}")
 
 
 def _is_id(t: Any) -> bool:
