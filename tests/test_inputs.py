@@ -447,6 +447,11 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
                                        "config key 'chat_template_kwargs' must have string keys"),
+    # an empty output is a mistake (a shell variable left unset, say), not stdout; "-" is stdout, no file "-"
+    "empty_output": (["output="], "config key 'output' is an empty string: give a file path, or \"-\" (or no "
+                                  "'output') for stdout"),
+    "dash_output": (["output=-"], ("output", None)),
+    "quoted_dash_output": (['output="-"'], ("output", None)),
     # half of a surrogate pair: no decoded text holds one, so it could never match
     "stop_with_a_lone_surrogate": (['sampling.stop=["ok", "\\ud800"]'],
                                    "config key 'sampling.stop' item 1 is not valid Unicode (a lone surrogate "

@@ -74,7 +74,8 @@ SCHEMA: dict[str, Key] = {
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
     "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}",
                                 check=checks.template_kwargs),
-    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset: stdout"),
+    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset or "
+                  "\"-\": stdout"),
     "resume": Key(_BOOL, False, "keep `output`'s finished lines of this run's prompts and settings, run the rest"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
@@ -159,7 +160,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set expects dotted.key=value, got '{text}'")
     key, raw = text.split("=", 1)
     try:
-        value = load_yaml(raw) if raw != "" else ""
+        value = raw if raw in ("", "-") else load_yaml(raw)  # "-": stdout (`output`), not YAML's [null]
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value '{raw}': {e}") from None
     return key.strip(), value
@@ -196,6 +197,8 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
             v = "on" if v else "off"  # YAML 1.1 reads a bare on / off as true / false
         if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
             v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
+        if k == "output" and v == "-":
+            v = None  # stdout, as without `output`
         _set_dotted(cfg, k, v)
     validate(cfg)
     try:  # the sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)
@@ -237,6 +240,9 @@ def validate(cfg: dict) -> None:
     if not model.is_dir():
         where = "" if model.is_absolute() else f" (looked for from {os.getcwd()}; a path in the config file also from its folder)"
         raise ConfigError(f"config key 'model': directory not found: {cfg['model']}{where}")
+    if cfg["output"] == "":  # not stdout unsaid: a path left empty by mistake, say by a shell variable
+        raise ConfigError("config key 'output' is an empty string: give a file path, or \"-\" (or no "
+                          "'output') for stdout")
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
 
