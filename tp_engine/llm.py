@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 from tp_engine import config as C
 from tp_engine import comm as tpd
 from tp_engine.engine import Engine
+from tp_engine.generation_config import unapplied_warning
 from tp_engine.lifeline import exit_with_launcher
 from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
 from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
@@ -82,6 +83,9 @@ class LLM:
         cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]
         if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
             log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
+        unapplied = unapplied_warning(self.cfg["model"]) if self.rank0 else None
+        if unapplied:  # here, not where the config is built: every rank builds it, the command line twice
+            log.warning("%s", unapplied)
         if self.rank0 and not self.engine.model_cfg.eos_token_ids:  # e.g. a config written with eos_token_id null
             eos = getattr(self.tokenizer, "eos_token", None)
             log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only at "
