@@ -196,13 +196,19 @@ def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp
 
 
 def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
-    """A key that is not a string used to crash every rank (the config hash sorts keys); two prompt keys in one
-    object were resolved silently; a lone surrogate gave the tokenizer's TypeError."""
+    """Each is that prompt's error, and the others run on every rank: a key a prompt object does not take
+    (not a string, an option meant per prompt, a typo: named with the key meant), two prompt keys in one
+    object, a lone surrogate (the tokenizer's TypeError otherwise)."""
     prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
-               {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob"]
+               {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob",
+               {"prompt": "Alice", "max_tokens": 3}, {"promt": "Alice"}]
     proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path, nproc=1)
     assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-2000:]  # finished, with errors
-    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length"]
+    assert [line["finish_reason"] for line in lines] == ["error"] * 4 + ["length"] + ["error"] * 2
+    known = "(its keys: 'prompt', 'input_ids', 'messages')"
+    assert lines[0]["error"] == f"unknown key 1 in a prompt object {known}"
+    assert lines[5]["error"] == f"unknown key 'max_tokens' in a prompt object {known}"
+    assert lines[6]["error"] == f"unknown key 'promt' in a prompt object; did you mean 'prompt'? {known}"
     assert lines[1]["error"] == "a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got " \
                                 "['prompt', 'input_ids']"
     assert lines[2]["error"] == "the prompt is not valid Unicode: a lone surrogate \\ud83d at character 3"

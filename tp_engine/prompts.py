@@ -7,6 +7,7 @@ whatever kind, becomes that prompt's error; the other prompts go on.
 from __future__ import annotations
 
 import datetime
+import difflib
 import functools
 import json
 from array import array
@@ -17,7 +18,9 @@ from tp_engine.config import ConfigError
 from tp_engine.textio import jsonl_lines, lone_surrogate, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
-PROMPT_KEYS = ("prompt", "input_ids", "messages")
+PROMPT_KEYS = ("prompt", "input_ids", "messages")  # what a prompt object is made of: exactly one of them
+# Every key a prompt object may hold: the ones above, and any per-prompt option (added here); no other.
+PROMPT_OBJECT_KEYS = PROMPT_KEYS
 TOKENIZE_BATCH = 1024  # texts per call of the tokenizer
 
 
@@ -49,7 +52,9 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         except KeyError as e:
             raise ConfigError(f"{path} line {n}: key '{e.args[0]}' is given twice in one object") from None
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
-            raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
+            unknown = unknown_key(item) if isinstance(item, dict) else None
+            raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'"
+                              + (f" ({unknown})" if unknown else ""))
         ids = item.get("input_ids")
         if isinstance(ids, list) and all(_is_id(t) for t in ids):  # else the prompt's error says what is wrong
             item["input_ids"] = compact(ids)
@@ -85,6 +90,18 @@ def as_list(prompts: Any) -> list[Prompt]:
         return [prompts] if prompts and all(_is_id(t) for t in prompts) else prompts
     raise TypeError("prompts must be a prompt (a string, a list of token ids or a dict) or a list of prompts; "
                     f"got {type(prompts).__name__}")
+
+
+def unknown_key(prompt: dict) -> str | None:
+    """What is wrong with a prompt object's first key that is not one of PROMPT_OBJECT_KEYS (a misspelt key,
+    or an option given per prompt that only the run's config takes), or None."""
+    for k in prompt:
+        if k not in PROMPT_OBJECT_KEYS:
+            close = difflib.get_close_matches(k, PROMPT_OBJECT_KEYS, n=1) if isinstance(k, str) else []
+            known = ", ".join(f"'{c}'" for c in PROMPT_OBJECT_KEYS)
+            meant = f"; did you mean '{close[0]}'?" if close else ""
+            return f"unknown key {k!r} in a prompt object{meant} (its keys: {known})"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,6 +208,9 @@ class PromptEncoder:
     def _source(self, prompt: Prompt) -> str | Sequence[int]:
         """What `prompt` is made of: its token ids, or the text (chat template applied) to tokenize."""
         if isinstance(prompt, dict):
+            unknown = unknown_key(prompt)
+            if unknown:
+                raise PromptError(unknown)
             given = [k for k in PROMPT_KEYS if k in prompt]
             if len(given) > 1:  # which one counts would be a guess
                 raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
