@@ -1,5 +1,10 @@
-"""The Python API's inputs: prompt objects' keys. In-process, on the demo model: no torchrun."""
+"""The Python API's inputs: prompt objects' keys, numpy and torch integers, messages in Python's words.
+In-process, on the demo model: no torchrun."""
+import json
+
+import numpy as np
 import pytest
+import torch
 
 from helpers import ROOT
 
@@ -37,3 +42,59 @@ def test_a_prompt_objects_unknown_key_is_its_error_naming_the_key_meant(llm, tmp
     with pytest.raises(ConfigError, match="line 1: expected an object .*unknown key 'promt' in a prompt "
                                           "object; did you mean 'prompt'"):
         read_prompts(cfg)
+
+
+def test_numpy_and_torch_integers_are_token_ids_and_sampling_ints(llm):
+    """numpy integers, 0-d and 1-d integer arrays and tensors are taken where Python ints are (token ids,
+    SamplingParams' integers, stop_token_ids); the outputs hold Python ints. Bools and floats stay refused."""
+    from tp_engine.config import ConfigError
+    from tp_engine.sampler import SamplingParams
+    ids = llm.encode(ALICE)
+    params = SamplingParams(max_new_tokens=np.int64(4), top_k=np.int32(0), seed=np.uint8(3), n=np.int16(1),
+                            logprobs=np.int64(0), stop_token_ids=np.array([7, 9]))
+    assert (params.max_new_tokens, params.stop_token_ids) == (4, [7, 9])
+    assert type(params.max_new_tokens) is int and type(params.stop_token_ids[0]) is int
+    want = llm.generate([ids], SamplingParams(max_new_tokens=4))[0]["output_token_ids"]
+    given = [np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids], [torch.tensor(t) for t in ids],
+             {"input_ids": np.array(ids, dtype=np.int32)}, {"input_ids": torch.tensor(ids)}]
+    for prompt in given:
+        (out,) = llm.generate(prompt, params)
+        assert out["prompt_token_ids"] == ids and out["output_token_ids"] == want, type(prompt)
+        json.dumps(out)  # Python ints only
+    rows = llm.generate(torch.tensor([ids[:3], ids[1:4]]), params)  # 2-d: a prompt per row
+    assert [o["prompt_token_ids"] for o in rows] == [ids[:3], ids[1:4]]
+    bad_values = [{"max_new_tokens": np.float64(4)}, {"max_new_tokens": np.True_},
+                  {"top_k": torch.tensor(True)}, {"stop_token_ids": [np.True_]},
+                  {"stop_token_ids": np.array([1.5])}]
+    for bad in bad_values:
+        with pytest.raises(ConfigError, match="must be"):
+            SamplingParams(**bad)
+    outs = llm.generate([{"input_ids": np.array([1.0, 2.0])}, [np.True_, np.int64(5)]], params)
+    assert outs[0]["error"] == "input_ids must be a list of integers"
+    assert outs[1]["finish_reason"] == "error" and "YAML" not in outs[1]["error"]
+
+
+def test_api_messages_speak_of_python_types_and_the_config_of_yaml(llm, tmp_path):
+    """The API's prompts are Python values: a wrong one is named by its Python type with what to pass instead,
+    without the config's advice to quote YAML, which a prompt read from YAML still gets."""
+    from helpers import make_checkpoint
+
+    from tp_engine.llm import LLM
+    from tp_engine.prompts import PromptEncoder
+    from tp_engine.sampler import SamplingParams
+    with pytest.raises(TypeError) as err:
+        llm.generate(5)
+    assert str(err.value) == ("generate() takes a prompt (a str, a list of token ids or a dict) or a list of "
+                              "prompts; got an int (5; a prompt of one token id is [5])")
+    outs = llm.generate([5, 2.5, None, ALICE], SamplingParams(max_new_tokens=2))
+    what = "; pass a str, a list of token ids or a dict"
+    assert [o.get("error") for o in outs] == [
+        "the prompt is an int (5; a prompt of one token id is [5])" + what, "the prompt is a float" + what,
+        "the prompt is None" + what, None]
+    assert "YAML reads an unquoted" in str(PromptEncoder(str(DEMO)).try_encode(5))  # the config's prompts
+    bare = LLM(model=str(make_checkpoint(tmp_path / "m")), device="cpu")  # no tokenizer files
+    with pytest.raises(ValueError) as err:
+        bare.generate([[5, 6]], SamplingParams(max_new_tokens=2, stop=["ab"]))
+    assert str(err.value).startswith("SamplingParams.stop needs the checkpoint's tokenizer")
+    assert str(err.value).endswith("end requests with SamplingParams.stop_token_ids instead")
+    bare.shutdown()

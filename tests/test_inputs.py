@@ -908,7 +908,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     assert "no tokenizer files" in err and "TypeError" not in err, err[-3000:]
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
     llm = LLM(model=str(model), device="cpu")
-    with pytest.raises(ValueError, match="sampling.stop_token_ids instead"):
+    with pytest.raises(ValueError, match="SamplingParams.stop_token_ids instead"):
         llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3, stop=["ab"]))
     assert len(llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]["output_token_ids"]) == 3
 

@@ -16,10 +16,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tp_engine import config as C
 from tp_engine import comm as tpd
+from tp_engine.api_args import as_list
 from tp_engine.engine import Engine
 from tp_engine.generation_config import unapplied_warning
 from tp_engine.lifeline import exit_with_launcher
-from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
+from tp_engine.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
@@ -77,7 +78,7 @@ class LLM:
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
-        self.prompts = PromptEncoder.from_config(self.cfg)
+        self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
         cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]

@@ -14,6 +14,7 @@ from array import array
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tp_engine.api_args import as_ids, prompt_type_problem
 from tp_engine.config import ConfigError
 from tp_engine.textio import jsonl_lines, lone_surrogate, read_utf8
 
@@ -55,8 +56,8 @@ def read_prompts(cfg: dict) -> list[Prompt]:
             unknown = unknown_key(item) if isinstance(item, dict) else None
             raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'"
                               + (f" ({unknown})" if unknown else ""))
-        ids = item.get("input_ids")
-        if isinstance(ids, list) and all(_is_id(t) for t in ids):  # else the prompt's error says what is wrong
+        ids = as_ids(item.get("input_ids"))
+        if ids is not None:  # else the prompt's error says what is wrong
             item["input_ids"] = compact(ids)
         prompts.append(item)
     if not prompts:
@@ -80,16 +81,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
             raise KeyError(k)
         seen.add(k)
     return dict(pairs)
-
-
-def as_list(prompts: Any) -> list[Prompt]:
-    """generate()'s argument as a list: one prompt (a string, a list of token ids or a dict) or a list of them."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, list):
-        return [prompts] if prompts and all(_is_id(t) for t in prompts) else prompts
-    raise TypeError("prompts must be a prompt (a string, a list of token ids or a dict) or a list of prompts; "
-                    f"got {type(prompts).__name__}")
 
 
 def unknown_key(prompt: dict) -> str | None:
@@ -128,12 +119,16 @@ def skipped_ids(tokenizer) -> frozenset[int]:
 class PromptEncoder:
     """Prompt -> token ids, for the checkpoint `model_dir` with the config's chat settings."""
 
-    def __init__(self, model_dir: str, chat: bool = False, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, model_dir: str, chat: bool = False, chat_template_kwargs: dict | None = None,
+                 python: bool = False) -> None:
+        """`python`: the prompts come from Python code (the API), and messages name Python's types and
+        arguments, not YAML's and the config's."""
         self.model_dir, self.chat, self.chat_kwargs = model_dir, chat, dict(chat_template_kwargs or {})
+        self.python = python
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "PromptEncoder":
-        return cls(cfg["model"], cfg["chat"], cfg["chat_template_kwargs"])
+    def from_config(cls, cfg: dict, python: bool = False) -> "PromptEncoder":
+        return cls(cfg["model"], cfg["chat"], cfg["chat_template_kwargs"], python)
 
     @property
     def tokenizer(self):
@@ -145,9 +140,10 @@ class PromptEncoder:
     def check_stop_strings(self, stop: list[str]) -> None:
         """Stop strings are looked for in the decoded text: without a tokenizer there is none."""
         if stop and self.tokenizer is None:
-            raise ValueError(f"sampling.stop needs the checkpoint's tokenizer to read the output as text, and "
+            key = "SamplingParams." if self.python else "sampling."
+            raise ValueError(f"{key}stop needs the checkpoint's tokenizer to read the output as text, and "
                              f"{self.model_dir} has none ({load_tokenizer(self.model_dir)[1]}); end requests with "
-                             "sampling.stop_token_ids instead")
+                             f"{key}stop_token_ids instead")
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -218,7 +214,8 @@ class PromptEncoder:
                 ids = prompt["input_ids"]
                 if isinstance(ids, array) and ids.typecode == "i":  # as read_prompts makes them: integers
                     return ids
-                if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
+                ids = as_ids(ids)
+                if ids is None:
                     raise PromptError("input_ids must be a list of integers")
                 return ids
             if "messages" in prompt:
@@ -227,8 +224,11 @@ class PromptEncoder:
                 raise PromptError("a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys "
                                   f"{sorted(map(str, prompt))}")
             prompt = prompt["prompt"]
-        if isinstance(prompt, list) and all(_is_id(i) for i in prompt):
-            return prompt
+        ids = as_ids(prompt)
+        if ids is not None:
+            return ids
+        if not isinstance(prompt, str) and self.python:
+            raise PromptError(prompt_type_problem(prompt))
         if not isinstance(prompt, str):
             # YAML 1.1 reads an unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a boolean, number or date
             hint = f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the " \
@@ -277,7 +277,3 @@ def _check_unicode(text: str, what: str) -> None:
     bad = lone_surrogate(text)
     if bad:
         raise PromptError(f"{what} is not valid Unicode: {bad}")
-
-
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
