@@ -840,7 +840,7 @@ def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bo
     from tp_engine.prompts import PromptEncoder
     from tp_engine.stop_strings import StopStrings
     enc = PromptEncoder(str(model_dir))
-    stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens)
+    stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts)
     req = _request([])
     hits = []
     for t in ids:
@@ -890,6 +890,35 @@ def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_fou
     ids = tok.encode("x a", add_special_tokens=False) + past + tok.encode("b", add_special_tokens=False)
     hits, text = _stop_hits(tok, DEMO, ids, ["ab"])
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
+
+
+def test_a_stop_string_that_is_a_special_tokens_text_ends_at_that_token(tmp_path):
+    """Decoding skips special tokens, so a stop string such as `<|im_end|>` could never show in the text: the
+    request ran on to max_new_tokens. It ends at that token (output_token_ids hold it), the text cut before
+    it."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+    # the demo model with ids 2 (<|im_end|>, not EOS here) and 1641 (" sister") swapped: it says <|im_end|>
+    model = tmp_path / "m"
+    shutil.copytree(DEMO, model)
+    weights = load_file(model / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]  # tied: the LM head too
+    embed[[2, 1641]] = embed[[1641, 2]].clone()
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    llm = LLM(model=str(model), device="cpu")
+    (out,) = llm.generate("Alice was beginning to get very tired", SamplingParams(max_new_tokens=20,
+                                                                                  stop=["<|im_end|>"]))
+    assert (out["finish_reason"], out["text"]) == ("stop", " of sitting by her")
+    assert out["output_token_ids"][-1] == 2
+    llm.shutdown()
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    ids = tok.encode("x a", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    hits, text = _stop_hits(tok, DEMO, ids, ["zz", "<|im_end|>"])
+    assert hits == [False] * (len(ids) - 1) + [True] and text == "x a"
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):

@@ -149,7 +149,8 @@ class LLM:
             raise
         outputs: dict[tuple[int, int], dict] = {}
         enc = self.prompts
-        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens) if params.stop else None
+        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts) \
+            if params.stop else None
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 

@@ -151,6 +151,14 @@ class PromptEncoder:
         return skipped_ids(self.tokenizer)
 
     @functools.cached_property
+    def special_texts(self) -> dict[str, int]:
+        """Each skipped token's text (`<|im_end|>`) and id: a stop string that is one ends at that token."""
+        tok = self.tokenizer
+        if tok is None:
+            return {}
+        return {t: i for i in sorted(self.special_ids) if (t := tok.convert_ids_to_tokens(i))}
+
+    @functools.cached_property
     def num_tokens(self) -> int:
         """The tokenizer's ids are those below this; `decode` skips the rest."""
         return len(self.tokenizer)
