@@ -1,5 +1,6 @@
-"""The Python API's inputs: prompt objects' keys, numpy and torch integers, messages in Python's words.
-In-process, on the demo model: no torchrun."""
+"""The Python API's inputs and callbacks: prompt objects' keys, numpy and torch integers, messages in Python's
+words, and what `on_token` receives. In-process, on the demo model: no torchrun."""
+import dataclasses
 import json
 
 import numpy as np
@@ -98,3 +99,72 @@ def test_api_messages_speak_of_python_types_and_the_config_of_yaml(llm, tmp_path
     assert str(err.value).startswith("SamplingParams.stop needs the checkpoint's tokenizer")
     assert str(err.value).endswith("end requests with SamplingParams.stop_token_ids instead")
     bare.shutdown()
+
+
+def test_on_token_gets_a_token_update_whose_text_never_shows_a_stop_string(llm):
+    """on_token receives a TokenUpdate (index, sample, token ids and text so far, finish_reason at the last
+    token), not the scheduler's request; its text holds back what could start a stop string, so it never runs
+    past one, and the last update's text is the output's."""
+    from tp_engine import TokenUpdate
+    from tp_engine.sampler import SamplingParams
+    updates = []
+    outs = llm.generate([ALICE, "Down, down, down. Would the fall"],
+                        SamplingParams(max_new_tokens=30, stop=[" her sister", "never"], n=2),
+                        on_token=updates.append)
+    for out in outs:
+        mine = [u for u in updates if (u.index, u.sample) == (out["index"], out["sample"])]
+        assert all(isinstance(u, TokenUpdate) for u in mine)
+        assert [u.num_tokens for u in mine] == list(range(1, len(out["output_token_ids"]) + 1))
+        assert mine[-1].token_ids == tuple(out["output_token_ids"]) and type(mine[-1].token_ids[0]) is int
+        assert [u.finish_reason for u in mine] == [None] * (len(mine) - 1) + [out["finish_reason"]]
+        texts = [u.text for u in mine]
+        assert texts[-1] == out["text"]
+        assert all(out["text"].startswith(t) for t in texts), texts  # never past the stop string
+    first = [u for u in updates if (u.index, u.sample) == (0, 0)]
+    assert outs[0]["text"] == " of sitting by" and outs[0]["finish_reason"] == "stop"
+    assert first[-2].text == " of sitting by"  # " of sitting by her": " her" could start " her sister"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first[0].index = 3
+
+
+def test_token_update_text_holds_back_a_possible_stop_and_unfinished_characters():
+    """The text grows by whole characters; at each step it holds back the longest end that a stop string
+    starts with (and nothing else), and the text of an earlier update read late is still that update's."""
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.scheduler import Request
+    from tp_engine.token_stream import TextStreams
+    words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: "\ufffd", 6: "é"}
+    decode = lambda ids: "".join(words[i] for i in ids).replace("\ufffdé", "é")
+    texts = TextStreams(decode, [" sister", "r!"])
+    req = Request(0, [1], SamplingParams())
+    seen, shown = [], []
+    for t in [1, 2, 5, 6, 3]:
+        req.output_ids.append(t)
+        seen.append(texts.update(req, None))
+        shown.append(seen[-1].text)
+    assert shown == ["by", "by he", "by he", "by heré", "by heré"]  # "r" could start "r!", " sis" " sister"
+    assert seen[1].text == "by he" and seen[0].token_ids == (1,)  # read after later updates
+    req.output_ids.append(4)
+    req.text = "by heré"  # as StopStrings cuts it
+    assert texts.update(req, "stop").text == "by heré"
+
+
+def test_token_update_text_decodes_a_bounded_tail_of_a_long_output():
+    """Each update decodes the ids after a settled point, not the whole output: a long output costs the same
+    per token however far it has grown."""
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.scheduler import Request
+    from tp_engine.token_stream import TextStreams
+    table = {1: "a", 2: " b", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join(table[i] for i in ids).replace("\ufffdé", "é")
+    texts = TextStreams(decode, ["zz"])
+    req = Request(0, [1], SamplingParams())
+    for i in range(3000):
+        req.output_ids.append([1, 2, 3, 4][i % 4])
+        text = texts.update(req, None).text
+    assert text == decode(req.output_ids)
+    assert sum(decoded) < 200 * len(req.output_ids)  # not the whole output at every token (4.5 million ids)

@@ -749,23 +749,28 @@ def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
 
 
 def test_streamed_text_stops_before_a_stop_string():
-    import io
-    from tp_engine.progress import Streamer
+    """What the command line streams (a TokenUpdate's text) never shows a stop string, and at the end is cut
+    at the earliest one."""
+    from tp_engine.scheduler import Request
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.token_stream import TextStreams
+
+    def shown(decode, stop, ids, final_text=None):
+        texts, req = TextStreams(decode, stop), Request(0, [1], SamplingParams())
+        out = []
+        for n, t in enumerate(ids, 1):
+            req.output_ids.append(t)
+            req.text = final_text if n == len(ids) else None
+            out.append(texts.update(req, "stop" if n == len(ids) else None).text)
+        return out
     words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: " and"}
-    out = io.StringIO()
-    streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" sister"])
-    for n in range(1, 5):
-        streamer.update([1, 2, 3, 4][:n])
-    streamer.update([1, 2, 3, 4], final=True, text="by her")  # the finished text, cut before " sister"
-    assert out.getvalue() == "by her\n"
-    out = io.StringIO()  # the whole output shown (reasoning apart): cut at the earliest stop, as `text` is
-    streamer = Streamer(lambda ids: "<think>\nplan\n</think>\n\nI am Done. More", out, stop=[".", "Done."])
-    streamer.update([1], final=True)
-    assert out.getvalue() == "<think>\nplan\n</think>\n\nI am \n"
-    out = io.StringIO()  # text still shorter than the stop string: nothing shown until it is longer
-    streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" and then"])
-    streamer.update([1, 2])
-    assert out.getvalue() == ""
+    decode = lambda ids: "".join(words[i] for i in ids)  # noqa: E731
+    assert shown(decode, [" sister"], [1, 2, 3, 4], "by her") == ["by", "by her", "by her", "by her"]
+    # the whole output (a think block too), cut at the earliest stop string
+    think = lambda ids: "<think>\nplan\n</think>\n\nI am Done. More"  # noqa: E731
+    assert shown(think, [".", "Done."], [1]) == ["<think>\nplan\n</think>\n\nI am "]
+    # only an end that a stop string starts with is held back
+    assert shown(decode, [" and then"], [1, 2, 5, 2]) == ["by", "by her", "by her", "by her and her"]
 
 
 def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):

@@ -25,6 +25,7 @@ from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
 from tp_engine.stop_strings import StopStrings
+from tp_engine.token_stream import TextStreams, TokenUpdate
 
 log = logging.getLogger("tp_engine")
 
@@ -110,15 +111,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
-                 on_token: Callable[[Request], None] | None = None,
+                 on_token: Callable[[TokenUpdate], None] | None = None,
                  encoded: list[Sequence[int] | PromptError] | None = None,
                  return_outputs: bool = True) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
         skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
         ranks follow rank 0's steps and return None. `on_finish(output)` is called on
-        rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
-        already computed (the command line encodes before the weights load); `prompts` is then the list they
-        came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
+        rank 0 as each request completes (in completion order), `on_token(update)` as each request gets a
+        token (a TokenUpdate: its index, sample, token ids and text so far). `encoded` (rank 0): the prompts'
+        ids or errors, already computed (the command line encodes before the weights load); `prompts` is then
+        the list they came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
         `return_outputs=False`: rank 0 returns None too and keeps no output once `on_finish` has had it, so
         that a job of any length holds only the requests in flight.
 
@@ -151,6 +153,7 @@ class LLM:
         enc = self.prompts
         stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts) \
             if params.stop else None
+        texts = TextStreams(enc.decode, stops.texts if stops else [])
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 
@@ -179,9 +182,10 @@ class LLM:
                         yield req
 
         def check_token(req: Request) -> bool:
+            hit = stops is not None and stops.hit(req)
             if on_token is not None:
-                on_token(req)
-            return stops is not None and stops.hit(req)
+                on_token(texts.update(req, "stop" if hit else req.finish_reason))
+            return hit
 
         made = requests()
         self._generating = True
