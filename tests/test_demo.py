@@ -80,35 +80,22 @@ def test_stream_prints_text_as_it_is_generated(tmp_path):
     assert lines[0]["text"] in proc.stdout
 
 
-def test_streamer_writes_deltas_and_waits_for_whole_characters():
+def test_streamer_writes_deltas_of_whole_characters():
+    """The command line's stream writes each TokenUpdate's new text, which waits for a character's last
+    byte."""
     import io
     from tp_engine.progress import Streamer
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.scheduler import Request
+    from tp_engine.token_stream import TextStreams
     table = {1: "Hel", 2: "lo", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
+    texts = TextStreams(lambda ids: "".join(table[i] for i in ids).replace("\ufffdé", "é"), [])
     out = io.StringIO()
     writes = []
     out.write = lambda s: writes.append(s)
-    streamer = Streamer(lambda ids: "".join(table[i] for i in ids).replace("\ufffdé", "é"), out)
-    for n in range(1, 5):
-        streamer.update([1, 2, 3, 4][:n])
-    streamer.update([1, 2, 3, 4], final=True)
-    assert writes[:3] == ["Hel", "lo", "é"]
-    assert "".join(writes) == "Helloé\n"
-
-
-def test_streamer_decodes_a_bounded_tail_of_a_long_output():
-    import io
-    from tp_engine.progress import Streamer
-    table = {1: "a", 2: " b", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
-    decoded = []
-
-    def decode(ids):
-        decoded.append(len(ids))
-        return "".join(table[i] for i in ids).replace("\ufffdé", "é")
-
-    ids = [[1, 2, 3, 4][i % 4] for i in range(3000)]
-    out = io.StringIO()
-    streamer = Streamer(decode, out, stop=["zz"])
-    for n in range(1, len(ids) + 1):
-        streamer.update(ids[:n])
-    assert out.getvalue() == decode(ids)[:-1]  # all but the last character, held back for the stop string
-    assert sum(decoded) < 200 * len(ids)  # not the whole output at every token (4.5 million ids)
+    streamer, req = Streamer(out), Request(0, [1], SamplingParams())
+    for t in [1, 2, 3, 4]:
+        req.output_ids.append(t)
+        update = texts.update(req, "length" if t == 4 else None)
+        streamer.update(update.text, final=update.finish_reason is not None)
+    assert writes == ["Hel", "lo", "é", "\n"]

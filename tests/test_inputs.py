@@ -196,13 +196,19 @@ def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp
 
 
 def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
-    """A key that is not a string used to crash every rank (the config hash sorts keys); two prompt keys in one
-    object were resolved silently; a lone surrogate gave the tokenizer's TypeError."""
+    """Each is that prompt's error, and the others run on every rank: a key a prompt object does not take
+    (not a string, an option meant per prompt, a typo: named with the key meant), two prompt keys in one
+    object, a lone surrogate (the tokenizer's TypeError otherwise)."""
     prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
-               {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob"]
+               {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob",
+               {"prompt": "Alice", "max_tokens": 3}, {"promt": "Alice"}]
     proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path, nproc=1)
     assert re.search(r"exitcode\s*: 3\b", proc.stderr), proc.stderr[-2000:]  # finished, with errors
-    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length"]
+    assert [line["finish_reason"] for line in lines] == ["error"] * 4 + ["length"] + ["error"] * 2
+    known = "(its keys: 'prompt', 'input_ids', 'messages')"
+    assert lines[0]["error"] == f"unknown key 1 in a prompt object {known}"
+    assert lines[5]["error"] == f"unknown key 'max_tokens' in a prompt object {known}"
+    assert lines[6]["error"] == f"unknown key 'promt' in a prompt object; did you mean 'prompt'? {known}"
     assert lines[1]["error"] == "a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got " \
                                 "['prompt', 'input_ids']"
     assert lines[2]["error"] == "the prompt is not valid Unicode: a lone surrogate \\ud83d at character 3"
@@ -247,7 +253,7 @@ def test_config_json_fields_are_type_checked(tmp_path, case):
 # ---- the Python API ----
 
 BAD_SAMPLING = [("temperature", "0.7"), ("max_new_tokens", 1.5), ("stop_token_ids", 5), ("top_k", True),
-                ("top_p", 0), ("stop", [""]), ("seed", 2**32), ("seed", -1)]
+                ("top_p", 0), ("stop", [""]), ("seed", 2**32), ("seed", -1), ("stop", ["ok", "x\udc00"])]
 
 
 @pytest.mark.parametrize("name,value", BAD_SAMPLING)
@@ -447,6 +453,15 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
                                        "config key 'chat_template_kwargs' must have string keys"),
+    # an empty output is a mistake (a shell variable left unset, say), not stdout; "-" is stdout, no file "-"
+    "empty_output": (["output="], "config key 'output' is an empty string: give a file path, or \"-\" (or no "
+                                  "'output') for stdout"),
+    "dash_output": (["output=-"], ("output", None)),
+    "quoted_dash_output": (['output="-"'], ("output", None)),
+    # half of a surrogate pair: no decoded text holds one, so it could never match
+    "stop_with_a_lone_surrogate": (['sampling.stop=["ok", "\\ud800"]'],
+                                   "config key 'sampling.stop' item 1 is not valid Unicode (a lone surrogate "
+                                   "\\ud800 at character 0): no output text can hold it"),
 }
 
 
@@ -734,23 +749,28 @@ def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
 
 
 def test_streamed_text_stops_before_a_stop_string():
-    import io
-    from tp_engine.progress import Streamer
+    """What the command line streams (a TokenUpdate's text) never shows a stop string, and at the end is cut
+    at the earliest one."""
+    from tp_engine.scheduler import Request
+    from tp_engine.sampler import SamplingParams
+    from tp_engine.token_stream import TextStreams
+
+    def shown(decode, stop, ids, final_text=None):
+        texts, req = TextStreams(decode, stop), Request(0, [1], SamplingParams())
+        out = []
+        for n, t in enumerate(ids, 1):
+            req.output_ids.append(t)
+            req.text = final_text if n == len(ids) else None
+            out.append(texts.update(req, "stop" if n == len(ids) else None).text)
+        return out
     words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: " and"}
-    out = io.StringIO()
-    streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" sister"])
-    for n in range(1, 5):
-        streamer.update([1, 2, 3, 4][:n])
-    streamer.update([1, 2, 3, 4], final=True, text="by her")  # the finished text, cut before " sister"
-    assert out.getvalue() == "by her\n"
-    out = io.StringIO()  # the whole output shown (reasoning apart): cut at the earliest stop, as `text` is
-    streamer = Streamer(lambda ids: "<think>\nplan\n</think>\n\nI am Done. More", out, stop=[".", "Done."])
-    streamer.update([1], final=True)
-    assert out.getvalue() == "<think>\nplan\n</think>\n\nI am \n"
-    out = io.StringIO()  # text still shorter than the stop string: nothing shown until it is longer
-    streamer = Streamer(lambda ids: "".join(words[i] for i in ids), out, stop=[" and then"])
-    streamer.update([1, 2])
-    assert out.getvalue() == ""
+    decode = lambda ids: "".join(words[i] for i in ids)  # noqa: E731
+    assert shown(decode, [" sister"], [1, 2, 3, 4], "by her") == ["by", "by her", "by her", "by her"]
+    # the whole output (a think block too), cut at the earliest stop string
+    think = lambda ids: "<think>\nplan\n</think>\n\nI am Done. More"  # noqa: E731
+    assert shown(think, [".", "Done."], [1]) == ["<think>\nplan\n</think>\n\nI am "]
+    # only an end that a stop string starts with is held back
+    assert shown(decode, [" and then"], [1, 2, 5, 2]) == ["by", "by her", "by her", "by her and her"]
 
 
 def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
@@ -825,7 +845,7 @@ def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bo
     from tp_engine.prompts import PromptEncoder
     from tp_engine.stop_strings import StopStrings
     enc = PromptEncoder(str(model_dir))
-    stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens)
+    stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts)
     req = _request([])
     hits = []
     for t in ids:
@@ -877,6 +897,35 @@ def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_fou
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
 
 
+def test_a_stop_string_that_is_a_special_tokens_text_ends_at_that_token(tmp_path):
+    """Decoding skips special tokens, so a stop string such as `<|im_end|>` could never show in the text: the
+    request ran on to max_new_tokens. It ends at that token (output_token_ids hold it), the text cut before
+    it."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    from tp_engine.llm import LLM
+    from tp_engine.sampler import SamplingParams
+    # the demo model with ids 2 (<|im_end|>, not EOS here) and 1641 (" sister") swapped: it says <|im_end|>
+    model = tmp_path / "m"
+    shutil.copytree(DEMO, model)
+    weights = load_file(model / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]  # tied: the LM head too
+    embed[[2, 1641]] = embed[[1641, 2]].clone()
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    llm = LLM(model=str(model), device="cpu")
+    (out,) = llm.generate("Alice was beginning to get very tired", SamplingParams(max_new_tokens=20,
+                                                                                  stop=["<|im_end|>"]))
+    assert (out["finish_reason"], out["text"]) == ("stop", " of sitting by her")
+    assert out["output_token_ids"][-1] == 2
+    llm.shutdown()
+    tok = AutoTokenizer.from_pretrained(str(DEMO))
+    ids = tok.encode("x a", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    hits, text = _stop_hits(tok, DEMO, ids, ["zz", "<|im_end|>"])
+    assert hits == [False] * (len(ids) - 1) + [True] and text == "x a"
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     """Stop strings are found in the decoded text: a checkpoint without tokenizer files used to end the run
     with a TypeError from inside the generation loop (the LLM) after the weights loaded."""
@@ -893,7 +942,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     assert "no tokenizer files" in err and "TypeError" not in err, err[-3000:]
     assert out.read_text() == '{"index": 0, "from": "an earlier run"}\n'
     llm = LLM(model=str(model), device="cpu")
-    with pytest.raises(ValueError, match="sampling.stop_token_ids instead"):
+    with pytest.raises(ValueError, match="SamplingParams.stop_token_ids instead"):
         llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3, stop=["ab"]))
     assert len(llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]["output_token_ids"]) == 3
 

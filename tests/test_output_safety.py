@@ -69,9 +69,14 @@ def read_lines(path):
 
 # ---- what the output may be ----
 
-@pytest.mark.parametrize("case", ["config_file", "prompts_file", "model_file", "symlink_to_device", "fifo"])
+@pytest.mark.parametrize("case", ["config_file", "prompts_file", "model_file", "symlink_to_device", "fifo",
+                                  "stdout_pipe"])
 def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
+    """A special file (a device, a FIFO, /dev/stdout on a pipe) is refused as such, saying how to get
+    stdout."""
     cfg, nproc = base(ckpt), 1
+    stdout = 'for stdout, leave \'output\' unset or give "-"'
+
     if case == "config_file":  # run_cli writes the config to run.yaml
         cfg["output"], nproc, needles = str(tmp_path / "run.yaml"), 2, ["config file"]
     elif case == "prompts_file":
@@ -87,10 +92,12 @@ def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
         needles = ["inside the model directory"]
     elif case == "symlink_to_device":
         (tmp_path / "out.jsonl").symlink_to("/dev/null")
-        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file", "/dev/null"]
-    else:
+        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file", "/dev/null", stdout]
+    elif case == "fifo":
         os.mkfifo(tmp_path / "out.jsonl")
-        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file"]
+        cfg["output"], needles = str(tmp_path / "out.jsonl"), ["not a regular file", stdout]
+    else:  # run_cli reads the rank's stdout through a pipe (it named a lock file under /proc)
+        cfg["output"], needles = "/dev/stdout", ["output /dev/stdout is not a regular file;", stdout]
     target = Path(cfg["output"])
     before = target.read_bytes() if target.is_file() else None
     proc, _ = run_cli(cfg, tmp_path, nproc=nproc, read_output=False)
@@ -101,8 +108,19 @@ def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
         assert target.is_symlink() and os.readlink(target) == "/dev/null"
     elif case == "fifo":
         assert target.is_fifo()
-    else:
+    elif case != "stdout_pipe":
         assert target.read_bytes() == before
+
+
+def test_output_dash_is_stdout_and_makes_no_file(ckpt, tmp_path):
+    """`output: "-"` prints the results to stdout, as no `output` does; no file named "-" is written."""
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump(base(ckpt, output="-")))
+    proc = subprocess.run([sys.executable, str(GENERATE), "--config", str(conf)], cwd=tmp_path, timeout=180,
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0, 1, 2]
+    assert not (tmp_path / "-").exists()
 
 
 def test_symlinked_output_is_written_through(ckpt, tmp_path):

@@ -152,7 +152,7 @@ def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
     assert greedy[0]["run"] != defaulted[0]["run"]
 
 
-def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path, caplog):
+def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path):
     """A repetition_penalty (Qwen2.5's files set 1.05), a min_new_tokens or a suppress_tokens changes
     transformers' tokens, greedy ones too; the engine does not apply them and said nothing of the last two."""
     cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, min_p 0.05"),
@@ -164,15 +164,26 @@ def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_
               "sets min_new_tokens 4, suppress_tokens [5], num_beams 2, which"),  # top_h acts only when sampling
              ({**QWEN3, "top_h": 0.5, "forced_eos_token_id": 2}, "sets forced_eos_token_id 2, top_h 0.5"),
              ({**QWEN3, "min_new_tokens": 0, "suppress_tokens": [], "num_beams": 1, "guidance_scale": None}, None)]
+    from tp_engine.generation_config import unapplied_warning
     for i, (content, said) in enumerate(cases):
         model = with_generation_config(ckpt, tmp_path / str(i), content)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tp_engine"):
-            build_config(model=model)
+        warning = unapplied_warning(model)
         if said is None:
-            assert "does not apply" not in caplog.text, caplog.text
+            assert warning is None, warning
         else:
-            assert said in caplog.text and "which this engine does not apply" in caplog.text, caplog.text
+            assert said in warning and "which this engine does not apply" in warning, warning
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_the_generation_config_warning_is_said_once_per_run(ckpt, tmp_path, nproc):
+    """Rank 0 says it once: every rank builds the config, the command line twice (to check it, then in
+    LLM)."""
+    model = with_generation_config(ckpt, tmp_path, {"do_sample": False, "repetition_penalty": 1.05})
+    cfg = {"model": model, "prompts": [{"input_ids": [5, 6]}], "sampling": {"max_new_tokens": 2}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=nproc)
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-3000:]
+    said = proc.stderr.count("sets repetition_penalty 1.05, which this engine does not apply")
+    assert said == 1, proc.stderr
 
 
 @pytest.mark.parametrize("content,message", [

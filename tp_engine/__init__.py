@@ -10,7 +10,10 @@ def __getattr__(name):
     if name == "SamplingParams":
         from tp_engine.sampler import SamplingParams
         return SamplingParams
+    if name == "TokenUpdate":
+        from tp_engine.token_stream import TokenUpdate
+        return TokenUpdate
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "TokenUpdate"]

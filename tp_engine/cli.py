@@ -169,12 +169,12 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
             log.warning("stream: true prints text for a single prompt and sample only; %d prompts x %d samples given",
                         len(prompts), n)
         else:
-            streamer = Streamer(llm.decode, stop=cfg["sampling"]["stop"])
+            streamer = Streamer()
 
-    def on_token(req) -> None:
+    def on_token(update) -> None:
         progress.token()
-        if streamer is not None:
-            streamer.update(req.output_ids)
+        if streamer is not None:  # the whole output (a think block too), held back before a stop string
+            streamer.update(update.text, final=update.finish_reason is not None)
 
     tally = dict.fromkeys(("requests", "prompt_tokens", "output_tokens", "cached_prompt_tokens", "errors"), 0)
     indices = set()  # of the prompts with a result, when there are several samples
@@ -190,9 +190,6 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         tally["errors"] += error
         if n > 1:
             indices.add(out["index"])
-        if streamer is not None:
-            # the finished text is cut before a stop string; with "reasoning" apart it is the answer alone
-            streamer.update(out["output_token_ids"], final=True, text=None if "reasoning" in out else out.get("text"))
 
     t0 = time.perf_counter()
     # no output is kept here: the sink has each one (a job of any length runs in bounded memory)

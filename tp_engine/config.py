@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from tp_engine import config_checks as checks
 from tp_engine.generation_config import GenerationConfigError, apply_sampling_defaults
 from tp_engine.textio import canonical_json, load_yaml, read_utf8
 
@@ -32,55 +32,6 @@ class Key:
     check: Any = None  # callable(value) -> error string or None
 
 
-def _positive(v):
-    return None if v >= 1 else "must be >= 1"
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def _temperature(v):
-    return None if 0 <= v < math.inf else "must be a finite number >= 0"
-
-
-def _timeout(v):
-    # far beyond it, torch's and gloo's timers overflow: a rank spins or fails with a C++ trace
-    return None if 1 <= v <= MAX_TIMEOUT_S else f"must be between 1 and {MAX_TIMEOUT_S} (30 days)"
-
-
-def _fraction(v):
-    return None if 0 < v <= 1 else "must be in (0, 1]"
-
-
-def _logprobs(v):
-    return None if 0 <= v <= MAX_LOGPROBS else f"must be between 0 and {MAX_LOGPROBS}"
-
-
-def _seed(v):
-    return None if 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
-
-def _id_list(v):
-    return None if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v) else "must be a list of non-negative integers"
-
-
-def _str_list(v):
-    return None if all(isinstance(x, str) and x for x in v) else "must be a list of non-empty strings"
-
-
-def _template_kwargs(v):
-    if not all(isinstance(k, str) for k in v):
-        return "must have string keys (the template's variable names)"
-    taken = sorted(set(v) & RESERVED_TEMPLATE_ARGS)
-    return f"cannot set {', '.join(taken)}: apply_chat_template's own arguments, not template variables" if taken else None
-
-MAX_LOGPROBS = 20
-MAX_TIMEOUT_S = 30 * 86400
-# apply_chat_template's own arguments: set in prompts.py, or acting only when it tokenizes (it never does here)
-RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                          "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
-                          "return_assistant_tokens_mask", "tokenizer_kwargs"}
-SEED_LIMIT = 2**32  # the engine draws with seed * 1_000_003 + index in int64: far from overflow below this
 _INT, _FLOAT, _STR, _BOOL, _LIST, _NONE = (int,), (int, float), (str,), (bool,), (list,), (type(None),)
 
 SCHEMA: dict[str, Key] = {
@@ -89,46 +40,49 @@ SCHEMA: dict[str, Key] = {
     "dtype": Key(_STR, "auto", "weights and activations; auto = the checkpoint's float16 or bfloat16 on CUDA (else "
                  "bfloat16), float32 on CPU", ("auto", "float32", "float16", "bfloat16")),
     "device": Key(_STR, "auto", "auto = cuda if available, else cpu", ("auto", "cpu", "cuda")),
-    "seed": Key(_INT, 0, "seed for sampling and dummy weights, 0 <= seed < 2**32", check=_seed),
+    "seed": Key(_INT, 0, "seed for sampling and dummy weights, 0 <= seed < 2**32", check=checks.seed),
     "attention_backend": Key(_STR, "auto", "auto = flashinfer on CUDA, torch on CPU", ("auto", "flashinfer", "torch")),
     "cuda_graph": Key(_BOOL, True, "capture decode steps in CUDA graphs (CUDA only)"),
-    "cuda_graph_max_batch": Key(_INT, 256, "largest decode batch captured in a CUDA graph", check=_positive),
+    "cuda_graph_max_batch": Key(_INT, 256, "largest decode batch captured in a CUDA graph",
+                                check=checks.positive),
     "cuda_graph_max_tokens": Key(_INT, 4096, "prompt and mixed steps of up to this many tokens run as CUDA graphs "
-                                 "in pieces around attention (TP 1); 0 = eager", check=_non_negative),
-    "max_batch_size": Key(_INT, 256, "most requests in one decode batch", check=_positive),
+                                 "in pieces around attention (TP 1); 0 = eager", check=checks.non_negative),
+    "max_batch_size": Key(_INT, 256, "most requests in one decode batch", check=checks.positive),
     "max_prefill_tokens": Key(_INT, 8192, "most tokens in one step, decode rows (one token each) included; a longer "
-                              "prompt is computed in chunks across steps while the others decode", check=_positive),
+                              "prompt is computed in chunks across steps while the others decode", check=checks.positive),
     "max_prefill_cost_while_decoding": Key(_INT, 4096, "while requests decode, the most prompt work in one step, in "
                                            "tokens that count their attention: a token at position c costs "
                                            "1 + c / (the model's attention span); 0 = no bound but max_prefill_tokens",
-                                           check=_non_negative),
+                                           check=checks.non_negative),
     "prefix_cache": Key(_BOOL, True, "share the KV pages of prompt prefixes between requests and generate calls"),
-    "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=_positive),
-    "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=_positive),
-    "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: from free GPU memory on CUDA, on CPU up to 1 GiB per rank", check=_positive),
+    "max_model_len": Key(_INT + _NONE, None, "longest prompt + output; default: max_position_embeddings", check=checks.positive),
+    "kv_cache.page_size": Key(_INT, 16, "tokens per KV page", check=checks.positive),
+    "kv_cache.num_pages": Key(_INT + _NONE, None, "KV pages; default: on CUDA what gpu_memory_utilization leaves "
+                              "(the memory plan), on CPU up to 1 GiB per rank", check=checks.positive),
     "kv_cache.gpu_memory_utilization": Key(_FLOAT, 0.9, "share of the GPU's memory the engine may hold (weights, "
                                            "largest step, CUDA graphs, KV pool); the rest stays free",
-                                           check=_fraction),
-    "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=_temperature),
-    "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=_non_negative),
-    "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=_fraction),
-    "sampling.max_new_tokens": Key(_INT, 64, "most tokens generated per prompt", check=_positive),
+                                           check=checks.fraction),
+    "sampling.temperature": Key(_FLOAT, 0.0, "0 = greedy", check=checks.temperature),
+    "sampling.top_k": Key(_INT, 0, "keep the k most likely tokens; 0 = off", check=checks.non_negative),
+    "sampling.top_p": Key(_FLOAT, 1.0, "nucleus sampling mass, in (0, 1]", check=checks.fraction),
+    "sampling.max_new_tokens": Key(_INT, 64, "most tokens generated per prompt", check=checks.positive),
     "sampling.ignore_eos": Key(_BOOL, False, "keep generating past EOS tokens"),
-    "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=_id_list),
-    "sampling.stop": Key(_LIST, [], "strings that end a request (the text is cut before them)", check=_str_list),
-    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is encoded once)", check=_positive),
+    "sampling.stop_token_ids": Key(_LIST, [], "extra token ids that end a request", check=checks.id_list),
+    "sampling.stop": Key(_LIST, [], "strings that end a request (the text is cut before them)", check=checks.stop_strings),
+    "sampling.n": Key(_INT, 1, "samples per prompt, one output line each (the prompt is encoded once)", check=checks.positive),
     "sampling.logprobs": Key(_INT, 0, "log-probabilities of each output token and of the K most likely ones, "
-                             "0 <= K <= 20; 0 = off", check=_logprobs),
+                             "0 <= K <= 20; 0 = off", check=checks.logprobs),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(_STR + _NONE, None, "JSONL file, one {prompt: str}, {input_ids: [...]} or {messages: [...]} per line"),
     "chat": Key(_BOOL, False, "wrap prompts with the tokenizer's chat template"),
     "chat_template_kwargs": Key((dict,), {}, "extra template variables, e.g. {enable_thinking: false}",
-                                check=_template_kwargs),
-    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset: stdout"),
+                                check=checks.template_kwargs),
+    "output": Key(_STR + _NONE, None, "JSONL results file, one line per prompt, in input order; unset or "
+                  "\"-\": stdout"),
     "resume": Key(_BOOL, False, "keep `output`'s finished lines of this run's prompts and settings, run the rest"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
-    "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=_timeout),
+    "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=checks.timeout),
     "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA: auto = at TP 2 push, else "
                                "symm, else nccl, at TP > 2 nccl; push = push, else symm, else nccl; symm = symm, "
                                "else nccl", ("auto", "push", "symm", "nccl")),
@@ -209,7 +163,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set expects dotted.key=value, got '{text}'")
     key, raw = text.split("=", 1)
     try:
-        value = load_yaml(raw) if raw != "" else ""
+        value = raw if raw in ("", "-") else load_yaml(raw)  # "-": stdout (`output`), not YAML's [null]
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value '{raw}': {e}") from None
     return key.strip(), value
@@ -246,6 +200,8 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
             v = "on" if v else "off"  # YAML 1.1 reads a bare on / off as true / false
         if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
             v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
+        if k == "output" and v == "-":
+            v = None  # stdout, as without `output`
         _set_dotted(cfg, k, v)
     validate(cfg)
     try:  # the sampling keys nobody set take the checkpoint's values (`--set sampling.temperature=0` stays greedy)
@@ -287,6 +243,9 @@ def validate(cfg: dict) -> None:
     if not model.is_dir():
         where = "" if model.is_absolute() else f" (looked for from {os.getcwd()}; a path in the config file also from its folder)"
         raise ConfigError(f"config key 'model': directory not found: {cfg['model']}{where}")
+    if cfg["output"] == "":  # not stdout unsaid: a path left empty by mistake, say by a shell variable
+        raise ConfigError("config key 'output' is an empty string: give a file path, or \"-\" (or no "
+                          "'output') for stdout")
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
 

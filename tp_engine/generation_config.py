@@ -47,19 +47,8 @@ _CHECKS = {  # field: (is it valid, what it must be)
 def sampling_defaults(model_dir: str) -> dict[str, Any]:
     """{temperature, top_k, top_p} from `model_dir`/generation_config.json; {} without the file or without
     do_sample: true."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    raw = read_json_object(path, GenerationConfigError)
-    do_sample = raw.get("do_sample")
-    if do_sample is not None and not isinstance(do_sample, bool):
-        raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got {json.dumps(do_sample)}")
-    unapplied = [f"{k} {json.dumps(raw[k])}" for k, neutral in UNAPPLIED.items()
-                 if raw.get(k) not in (neutral, None) and (do_sample or k not in SAMPLING_ONLY)]
-    if unapplied:
-        log.warning("%s sets %s, which this engine does not apply: its tokens differ from transformers' generate "
-                    "with that file", path, ", ".join(unapplied))
-    if not do_sample:
+    path, raw = _read(model_dir)
+    if not raw.get("do_sample"):
         return {}
     out = {}
     for name, default in HF_DEFAULTS.items():
@@ -71,6 +60,31 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
             raise GenerationConfigError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)}")
         out[name] = v
     return out
+
+
+def _read(model_dir: str) -> tuple[Path, dict]:
+    """generation_config.json's path and fields ({} without the file), with `do_sample` checked."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return path, {}
+    raw = read_json_object(path, GenerationConfigError)
+    do_sample = raw.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationConfigError(f"{path}: field 'do_sample' must be true or false, got "
+                                    f"{json.dumps(do_sample)}")
+    return path, raw
+
+
+def unapplied_warning(model_dir: str) -> str | None:
+    """The warning for generation_config.json's fields that transformers' generate applies and this engine
+    does not (UNAPPLIED), when the file holds any with another value than its neutral one; else None."""
+    path, raw = _read(model_dir)
+    unapplied = [f"{k} {json.dumps(raw[k])}" for k, neutral in UNAPPLIED.items()
+                 if raw.get(k) not in (neutral, None) and (raw.get("do_sample") or k not in SAMPLING_ONLY)]
+    if not unapplied:
+        return None
+    return f"{path} sets {', '.join(unapplied)}, which this engine does not apply: its tokens differ from " \
+        "transformers' generate with that file"
 
 
 def apply_sampling_defaults(cfg: dict, explicit: set[str]) -> None:

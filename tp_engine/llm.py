@@ -16,13 +16,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tp_engine import config as C
 from tp_engine import comm as tpd
+from tp_engine.api_args import as_list
 from tp_engine.engine import Engine
+from tp_engine.generation_config import unapplied_warning
 from tp_engine.lifeline import exit_with_launcher
-from tp_engine.prompts import Prompt, PromptEncoder, PromptError, as_list
+from tp_engine.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampler import SamplingParams
 from tp_engine.scheduler import Request
 from tp_engine.stop_strings import StopStrings
+from tp_engine.token_stream import TextStreams, TokenUpdate
 
 log = logging.getLogger("tp_engine")
 
@@ -76,12 +79,15 @@ class LLM:
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
-        self.prompts = PromptEncoder.from_config(self.cfg)
+        self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
         cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]
         if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
             log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
+        unapplied = unapplied_warning(self.cfg["model"]) if self.rank0 else None
+        if unapplied:  # here, not where the config is built: every rank builds it, the command line twice
+            log.warning("%s", unapplied)
         if self.rank0 and not self.engine.model_cfg.eos_token_ids:  # e.g. a config written with eos_token_id null
             eos = getattr(self.tokenizer, "eos_token", None)
             log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only at "
@@ -105,15 +111,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
-                 on_token: Callable[[Request], None] | None = None,
+                 on_token: Callable[[TokenUpdate], None] | None = None,
                  encoded: list[Sequence[int] | PromptError] | None = None,
                  return_outputs: bool = True) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
         skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
         ranks follow rank 0's steps and return None. `on_finish(output)` is called on
-        rank 0 as each request completes (in completion order). `encoded` (rank 0): the prompts' ids or errors,
-        already computed (the command line encodes before the weights load); `prompts` is then the list they
-        came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
+        rank 0 as each request completes (in completion order), `on_token(update)` as each request gets a
+        token (a TokenUpdate: its index, sample, token ids and text so far). `encoded` (rank 0): the prompts'
+        ids or errors, already computed (the command line encodes before the weights load); `prompts` is then
+        the list they came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
         `return_outputs=False`: rank 0 returns None too and keeps no output once `on_finish` has had it, so
         that a job of any length holds only the requests in flight.
 
@@ -144,7 +151,9 @@ class LLM:
             raise
         outputs: dict[tuple[int, int], dict] = {}
         enc = self.prompts
-        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens) if params.stop else None
+        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts) \
+            if params.stop else None
+        texts = TextStreams(enc.decode, stops.texts if stops else [])
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 
@@ -173,9 +182,10 @@ class LLM:
                         yield req
 
         def check_token(req: Request) -> bool:
+            hit = stops is not None and stops.hit(req)
             if on_token is not None:
-                on_token(req)
-            return stops is not None and stops.hit(req)
+                on_token(texts.update(req, "stop" if hit else req.finish_reason))
+            return hit
 
         made = requests()
         self._generating = True

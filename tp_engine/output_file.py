@@ -17,9 +17,10 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
     """The file `output` names, with symlinks resolved: results are written there, so a symlink stays one.
 
     Refused: a path that ends in a slash, a file the run reads (`inputs`: what it is -> path), anything inside
-    the model directory, an existing path that is not a regular file (a device, a FIFO, a directory) or that
-    this user may not write, a folder this user may not write in (or create), and a name too long for the
-    files the run writes beside it. Nothing is created here: a missing folder is made with the lock."""
+    the model directory, an existing path that is not a regular file (a device, a FIFO, a pipe such as
+    /dev/stdout may be, a directory) or that this user may not write, a folder this user may not write in (or
+    create), and a name too long for the files the run writes beside it. Nothing is created here: a missing
+    folder is made with the lock."""
     if output.endswith(("/", os.sep)):
         raise ConfigError(f"output {output} ends in '/': it must name a file")
     target = Path(os.path.realpath(output))
@@ -29,12 +30,14 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
     model = Path(os.path.realpath(model_dir))
     if target.is_relative_to(model):
         raise ConfigError(f"output {output} is inside the model directory {model_dir}; choose another output")
-    if os.path.lexists(target):
-        mode = os.stat(target).st_mode
+    if os.path.exists(output):  # through links: /dev/stdout is what fd 1 is (a pipe, say), not a path
+        mode = os.stat(output).st_mode
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise ConfigError(f"output {output} is {kind}" + (f" ({target})" if str(target) != output else "")
-                              + "; it must be a regular file (or a symlink to one)")
+            shown = f" ({target})" if str(target) != output and os.path.lexists(target) else ""
+            stdout = "" if stat.S_ISDIR(mode) else "; for stdout, leave 'output' unset or give \"-\""
+            raise ConfigError(f"output {output} is {kind}{shown}; it must be a regular file (or a symlink to "
+                              f"one){stdout}")
         if not os.access(target, os.W_OK):  # it would be replaced, then its appends refused
             raise ConfigError(f"output {output}: no permission to write {target}")
     folder = next(p for p in target.parents if os.path.lexists(p))  # the folder, or where its path starts

@@ -44,41 +44,14 @@ class Progress:
 
 
 class Streamer:
-    """Prints a single request's text as it is generated (whole characters only: a token may end mid-character).
-    With stop strings, the text that could still turn out to start one is held back, since the final text is
-    cut before it."""
+    """Prints a single request's text as it is generated: each update's text (a `TokenUpdate`'s, which holds
+    back an unfinished character and what could start a stop string) past what is shown already."""
 
-    WINDOW = 64  # tokens at the end that each update decodes again; the text before them is settled
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.out, self.shown = out, ""
 
-    def __init__(self, decode, out: TextIO = sys.stdout, stop: list[str] | tuple = ()) -> None:
-        self.decode, self.out, self.shown, self.stop = decode, out, "", list(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.settled, self.settled_ids = "", 0  # the text of the first settled_ids output ids
-
-    def _text(self, ids: list[int]) -> str:
-        """decode(ids), decoding only the ids after the settled ones, so an update costs the same however long
-        the output has grown. A split is settled only where decoding the two parts apart gives the text of the
-        whole (not inside a character, nor where a tokenizer joins tokens' text)."""
-        tail = self.decode(ids[self.settled_ids:]) or ""
-        text, cut = self.settled + tail, len(ids) - self.WINDOW
-        if cut - self.settled_ids >= self.WINDOW:
-            head = self.decode(ids[self.settled_ids:cut]) or ""
-            if not head.endswith("\ufffd") and head + (self.decode(ids[cut:]) or "") == tail:
-                self.settled, self.settled_ids = self.settled + head, cut
-        return text
-
-    def update(self, output_ids: list[int], final: bool = False, text: str | None = None) -> None:
-        """`text`, with `final`: the request's finished text (cut before a stop string), shown in place of ids'."""
-        if text is None:
-            text = self._text(output_ids)
-            # cut as the finished text is cut, at the earliest stop string (with reasoning apart, the whole output
-            # is shown)
-            cut = min((text.find(s) for s in self.stop if s in text), default=-1)
-            text = text[:cut] if cut >= 0 else text
-        if not final:
-            if text.endswith("\ufffd"):
-                return
-            text = text[:max(0, len(text) - self.hold)]
+    def update(self, text: str | None, final: bool = False) -> None:
+        text = text or ""
         if len(text) > len(self.shown):
             self._write(text[len(self.shown):])
             self.shown = text

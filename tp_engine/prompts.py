@@ -7,17 +7,21 @@ whatever kind, becomes that prompt's error; the other prompts go on.
 from __future__ import annotations
 
 import datetime
+import difflib
 import functools
 import json
 from array import array
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tp_engine.api_args import as_ids, prompt_type_problem
 from tp_engine.config import ConfigError
-from tp_engine.textio import jsonl_lines, read_utf8
+from tp_engine.textio import jsonl_lines, lone_surrogate, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
-PROMPT_KEYS = ("prompt", "input_ids", "messages")
+PROMPT_KEYS = ("prompt", "input_ids", "messages")  # what a prompt object is made of: exactly one of them
+# Every key a prompt object may hold: the ones above, and any per-prompt option (added here); no other.
+PROMPT_OBJECT_KEYS = PROMPT_KEYS
 TOKENIZE_BATCH = 1024  # texts per call of the tokenizer
 
 
@@ -49,9 +53,11 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         except KeyError as e:
             raise ConfigError(f"{path} line {n}: key '{e.args[0]}' is given twice in one object") from None
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
-            raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'")
-        ids = item.get("input_ids")
-        if isinstance(ids, list) and all(_is_id(t) for t in ids):  # else the prompt's error says what is wrong
+            unknown = unknown_key(item) if isinstance(item, dict) else None
+            raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'"
+                              + (f" ({unknown})" if unknown else ""))
+        ids = as_ids(item.get("input_ids"))
+        if ids is not None:  # else the prompt's error says what is wrong
             item["input_ids"] = compact(ids)
         prompts.append(item)
     if not prompts:
@@ -77,14 +83,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return dict(pairs)
 
 
-def as_list(prompts: Any) -> list[Prompt]:
-    """generate()'s argument as a list: one prompt (a string, a list of token ids or a dict) or a list of them."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, list):
-        return [prompts] if prompts and all(_is_id(t) for t in prompts) else prompts
-    raise TypeError("prompts must be a prompt (a string, a list of token ids or a dict) or a list of prompts; "
-                    f"got {type(prompts).__name__}")
+def unknown_key(prompt: dict) -> str | None:
+    """What is wrong with a prompt object's first key that is not one of PROMPT_OBJECT_KEYS (a misspelt key,
+    or an option given per prompt that only the run's config takes), or None."""
+    for k in prompt:
+        if k not in PROMPT_OBJECT_KEYS:
+            close = difflib.get_close_matches(k, PROMPT_OBJECT_KEYS, n=1) if isinstance(k, str) else []
+            known = ", ".join(f"'{c}'" for c in PROMPT_OBJECT_KEYS)
+            meant = f"; did you mean '{close[0]}'?" if close else ""
+            return f"unknown key {k!r} in a prompt object{meant} (its keys: {known})"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,12 +119,16 @@ def skipped_ids(tokenizer) -> frozenset[int]:
 class PromptEncoder:
     """Prompt -> token ids, for the checkpoint `model_dir` with the config's chat settings."""
 
-    def __init__(self, model_dir: str, chat: bool = False, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, model_dir: str, chat: bool = False, chat_template_kwargs: dict | None = None,
+                 python: bool = False) -> None:
+        """`python`: the prompts come from Python code (the API), and messages name Python's types and
+        arguments, not YAML's and the config's."""
         self.model_dir, self.chat, self.chat_kwargs = model_dir, chat, dict(chat_template_kwargs or {})
+        self.python = python
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "PromptEncoder":
-        return cls(cfg["model"], cfg["chat"], cfg["chat_template_kwargs"])
+    def from_config(cls, cfg: dict, python: bool = False) -> "PromptEncoder":
+        return cls(cfg["model"], cfg["chat"], cfg["chat_template_kwargs"], python)
 
     @property
     def tokenizer(self):
@@ -128,14 +140,23 @@ class PromptEncoder:
     def check_stop_strings(self, stop: list[str]) -> None:
         """Stop strings are looked for in the decoded text: without a tokenizer there is none."""
         if stop and self.tokenizer is None:
-            raise ValueError(f"sampling.stop needs the checkpoint's tokenizer to read the output as text, and "
+            key = "SamplingParams." if self.python else "sampling."
+            raise ValueError(f"{key}stop needs the checkpoint's tokenizer to read the output as text, and "
                              f"{self.model_dir} has none ({load_tokenizer(self.model_dir)[1]}); end requests with "
-                             "sampling.stop_token_ids instead")
+                             f"{key}stop_token_ids instead")
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids `decode` skips: they add no text."""
         return skipped_ids(self.tokenizer)
+
+    @functools.cached_property
+    def special_texts(self) -> dict[str, int]:
+        """Each skipped token's text (`<|im_end|>`) and id: a stop string that is one ends at that token."""
+        tok = self.tokenizer
+        if tok is None:
+            return {}
+        return {t: i for i in sorted(self.special_ids) if (t := tok.convert_ids_to_tokens(i))}
 
     @functools.cached_property
     def num_tokens(self) -> int:
@@ -191,6 +212,9 @@ class PromptEncoder:
     def _source(self, prompt: Prompt) -> str | Sequence[int]:
         """What `prompt` is made of: its token ids, or the text (chat template applied) to tokenize."""
         if isinstance(prompt, dict):
+            unknown = unknown_key(prompt)
+            if unknown:
+                raise PromptError(unknown)
             given = [k for k in PROMPT_KEYS if k in prompt]
             if len(given) > 1:  # which one counts would be a guess
                 raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
@@ -198,7 +222,8 @@ class PromptEncoder:
                 ids = prompt["input_ids"]
                 if isinstance(ids, array) and ids.typecode == "i":  # as read_prompts makes them: integers
                     return ids
-                if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
+                ids = as_ids(ids)
+                if ids is None:
                     raise PromptError("input_ids must be a list of integers")
                 return ids
             if "messages" in prompt:
@@ -207,8 +232,11 @@ class PromptEncoder:
                 raise PromptError("a prompt object needs 'prompt', 'input_ids' or 'messages'; got keys "
                                   f"{sorted(map(str, prompt))}")
             prompt = prompt["prompt"]
-        if isinstance(prompt, list) and all(_is_id(i) for i in prompt):
-            return prompt
+        ids = as_ids(prompt)
+        if ids is not None:
+            return ids
+        if not isinstance(prompt, str) and self.python:
+            raise PromptError(prompt_type_problem(prompt))
         if not isinstance(prompt, str):
             # YAML 1.1 reads an unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a boolean, number or date
             hint = f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the " \
@@ -253,13 +281,7 @@ def _checked_messages(messages: Any) -> list[dict]:
 
 
 def _check_unicode(text: str, what: str) -> None:
-    """JSON's \\ud800 escapes give lone surrogates, which no tokenizer takes: say so, not the tokenizer's TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PromptError(f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
-                          f"character {e.start}") from None
-
-
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+    """Say where a lone surrogate is, not the tokenizer's TypeError."""
+    bad = lone_surrogate(text)
+    if bad:
+        raise PromptError(f"{what} is not valid Unicode: {bad}")

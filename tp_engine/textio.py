@@ -22,6 +22,16 @@ def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) ->
     return text.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the content
 
 
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` is not valid Unicode, or None: a JSON escape such as "\\ud800" alone (half of a surrogate
+    pair) gives a character that no tokenizer takes and no decoded text holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}"
+    return None
+
+
 def read_bytes(path: str | Path, error: type[Exception] = ValueError) -> bytes:
     """The file's bytes; `error` names the file and why it cannot be read (no permission, a folder, ...)."""
     try:
