@@ -27,6 +27,26 @@ def test_readme_commands_and_links():
         assert f"docs/{doc}.md" in text
 
 
+def test_the_floor_lane_tests_the_floors_pyproject_states():
+    """Each lower bound in pyproject.toml is the version .ci/floor installs (torch's through FLOOR_TORCH, its
+    CPU build being missing on PyPI), and the README's Quick start names it: the floors are tested versions."""
+    from packaging.version import Version
+    deps = re.search(r"^dependencies = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    floors = dict(re.findall(r'"([a-z]+)>=([\d.]+)"', deps))
+    assert set(floors) == {"torch", "numpy", "safetensors", "transformers", "pyyaml"}, deps  # each has a floor
+    lane = (ROOT / ".ci" / "floor").read_text()
+    pins = dict(re.findall(r"\b([a-z]+)==([\d.]+)", lane))  # numpy, safetensors, transformers, pyyaml
+    pins["torch"] = re.search(r"FLOOR_TORCH=([\d.]+) \.ci/floor", lane).group(1)  # the run that tests torch's
+    assert {k: Version(v) for k, v in pins.items()} == {k: Version(v) for k, v in floors.items()}, (pins, floors)
+    readme = (ROOT / "README.md").read_text()
+    names = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "transformers": "transformers",
+             "pyyaml": "PyYAML"}
+    for name, floor in floors.items():
+        assert f"{names[name]} {floor}" in readme, (name, floor)
+    assert "python -m pytest -q -n 2 tests" in (ROOT / ".ci" / "run").read_text() and \
+        ".ci/floor" in (ROOT / ".ci" / "run").read_text()  # the main lane, then the floor lane
+
+
 def test_gpu_ci_names_an_unknown_part_before_anything_runs():
     """`.ci/gpu PART...` checks its parts first: an unknown one is named, and it exits 2 without touching a GPU
     or installing anything."""

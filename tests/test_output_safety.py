@@ -500,7 +500,8 @@ def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, 
 def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [PROMPTS[0], {"input_ids": [7] * 40}, PROMPTS[1]]  # 40 tokens do not fit a pool of 32
-    cfg = base(ckpt, prompts=prompts, output=str(out), max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16})
+    cfg = base(ckpt, prompts=prompts, output=str(out), max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16},
+               fail_on_prompt_error=True)
     conf = tmp_path / "small_pool.yaml"
     conf.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, str(GENERATE), "--config", str(conf)], capture_output=True, text=True,

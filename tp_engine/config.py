@@ -82,6 +82,8 @@ SCHEMA: dict[str, Key] = {
     "resume": Key(_BOOL, False, "keep `output`'s finished lines of this run's prompts and settings, run the rest"),
     "stream": Key(_BOOL, False, "print text as it is generated (a single prompt only)"),
     "progress": Key(_BOOL, True, "progress bar on a terminal, periodic log lines otherwise"),
+    "fail_on_prompt_error": Key(_BOOL, False, "exit with status 3 when a prompt ends in error (false: 0, with a "
+                                "warning and the count in the summary)"),
     "timeout_s": Key(_INT, 300, "longest wait in a collective before the job is declared stuck", check=checks.timeout),
     "advanced.all_reduce": Key(_STR, "auto", "all-reduce of messages up to 512 KB on CUDA: auto = at TP 2 push, else "
                                "symm, else nccl, at TP > 2 nccl; push = push, else symm, else nccl; symm = symm, "

@@ -82,7 +82,8 @@ class LLM:
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
-        cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream") if self.cfg[k]]
+        cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream", "fail_on_prompt_error")
+                    if self.cfg[k]]
         if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
             log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
         unapplied = unapplied_warning(self.cfg["model"]) if self.rank0 else None
