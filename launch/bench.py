@@ -63,13 +63,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tp_engine import config as C  # noqa: E402
+from tp_engine.base import config as C  # noqa: E402
 from tp_engine import comm  # noqa: E402
-from tp_engine.engine import Engine  # noqa: E402
-from tp_engine.model_config import ModelConfig  # noqa: E402
-from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
-from tp_engine.sampler import SamplingParams  # noqa: E402
-from tp_engine.scheduler import Request  # noqa: E402
+from tp_engine.runtime.engine import Engine  # noqa: E402
+from tp_engine.checkpoint.model_config import ModelConfig  # noqa: E402
+from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
+from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
+from tp_engine.runtime.scheduler import Request  # noqa: E402
 
 log = logging.getLogger("tp_engine")
 HBM_BYTES_PER_S = 4.2e12  # device-to-device copy measured on the H200 (bytes read + written)
@@ -430,8 +430,8 @@ class HostTimers:
     so their `broadcast` time is mostly waiting). Installed by patching the functions the engine calls."""
 
     def __init__(self, engine: Engine) -> None:
-        import tp_engine.engine as E
-        from tp_engine.scheduler import Scheduler
+        import tp_engine.runtime.engine as E
+        from tp_engine.runtime.scheduler import Scheduler
 
         self.t: dict[str, float] = {}
         self.patches = []

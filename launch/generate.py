@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tp_engine.lifeline import start_rank  # noqa: E402  (no torch: nothing slow comes before it)
+from tp_engine.frontend.lifeline import start_rank  # noqa: E402  (no torch: nothing slow comes before it)
 
 if __name__ == "__main__":
     start_rank()  # first: the imports below take seconds (torch), and the launcher may die meanwhile

@@ -5,7 +5,7 @@
 
 Every projection weight of the decoder layers (q/k/v/o, gate/up/down; each expert's too) becomes
 `weight` (float8_e4m3fn) and `weight_scale_inv` (float32, one per 128 x 128 block): per block, scale = the
-largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_engine/quant.py). The
+largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_engine/checkpoint/quant.py). The
 embeddings, norms, the LM head and the MoE router are copied as they are. The output is sharded
 (model-0000k-of-0000n.safetensors with model.safetensors.index.json); config.json gains
 `quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`;
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tp_engine.loader import checkpoint_files  # noqa: E402
+from tp_engine.checkpoint.loader import checkpoint_files  # noqa: E402
 from tp_engine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from tp_engine.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
+from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
 
 BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}  # per element, for shard sizes
 

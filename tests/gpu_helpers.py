@@ -62,7 +62,7 @@ def llm(ckpt: str, **options):
 
 
 def generate(engine_llm, prompts, **sampling) -> list[list[int]]:
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, **sampling})
     return [o["output_token_ids"] for o in engine_llm.generate([{"input_ids": p} for p in prompts], params)]
 
@@ -113,7 +113,7 @@ def assert_parity(ref, prompts, ours, theirs) -> None:
 def step_batch(prefill: bool, seq_lens, extend_lens, tables, page_size, dev):
     """A context.Batch for attention-backend tests: request i holds seq_lens[i] tokens in pages tables[i], the
     last extend_lens[i] of them computed in this step."""
-    from tp_engine.context import Batch
+    from tp_engine.base.batch import Batch
     pos, loc = [], []
     for L, n, t in zip(seq_lens, extend_lens, tables):
         for p in range(L - n, L):

@@ -130,7 +130,8 @@ def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_pat
 def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monkeypatch):
     """At TP 1 no other rank can be out of step: Ctrl-C in the middle of a step (a notebook user stopping a
     long generate) used to make every later generate refuse with 'the ranks may be out of step'."""
-    from tp_engine import LLM, SamplingParams, engine
+    from tp_engine import LLM, SamplingParams
+    from tp_engine.runtime import engine
     model = make_checkpoint(tmp_path / "m")
     prompts = [{"input_ids": list(range(5, 45))}, {"input_ids": list(range(5, 40))}]  # pages the prefix cache keeps
     llm = LLM(model=str(model), device="cpu", kv_cache={"page_size": 8})
@@ -195,7 +196,8 @@ def test_a_dropped_llm_is_freed_before_the_next_one_starts(tmp_path):
 BREAKS = """
 import json, os, sys
 sys.path.insert(0, {root!r})
-from tp_engine import LLM, SamplingParams, engine
+from tp_engine import LLM, SamplingParams
+from tp_engine.runtime import engine
 if os.environ["RANK"] == "1":  # rank 1 fails inside a step: rank 0 waits in that step's all-reduce
     def forward(self, batch):
         raise RuntimeError("injected fault")
@@ -230,7 +232,8 @@ def test_failure_inside_a_step_makes_every_later_generate_refuse(tmp_path):
 DROPPED = """
 import gc, os, sys
 sys.path.insert(0, {root!r})
-from tp_engine import LLM, SamplingParams, engine
+from tp_engine import LLM, SamplingParams
+from tp_engine.runtime import engine
 if os.environ["RANK"] == "1":  # rank 1 fails inside a step
     def forward(self, batch):
         raise RuntimeError("injected fault")
@@ -435,7 +438,7 @@ def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp
 
 
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
-    from tp_engine.config import SCHEMA
+    from tp_engine.base.config import SCHEMA
     out = subprocess.run([sys.executable, str(GENERATE), "--help"], capture_output=True, text=True, timeout=60).stdout
     for key in SCHEMA:
         assert f"  {key} = " in out, key
@@ -514,8 +517,9 @@ def test_dummy_weights_from_config_alone(tmp_path):
 def test_kv_pool_with_its_scratch_page_stays_within_the_byte_budget(tmp_path, monkeypatch):
     """The pool sized from a byte budget (CPU_KV_BYTES here; the GPU's share of free memory the same way) counts
     the scratch page the padded rows write to: all of it fits the budget, and requests get one page less."""
-    from tp_engine import LLM, kv_cache
-    from tp_engine.kv_cache import KVCache
+    from tp_engine import LLM
+    from tp_engine.attention import kv_cache
+    from tp_engine.attention.kv_cache import KVCache
 
     model = make_checkpoint(tmp_path / "m")
     cfg = json.loads((model / "config.json").read_text())

@@ -24,9 +24,9 @@ def llm():
 def test_a_prompt_objects_unknown_key_is_its_error_naming_the_key_meant(llm, tmp_path):
     """A key a prompt object does not take (an option meant per prompt, a typo) is that prompt's error, naming
     the key and the closest known one, in the API and in prompts_file; the other prompts run."""
-    from tp_engine.config import ConfigError, build_config
-    from tp_engine.prompts import PromptEncoder, PromptError, read_prompts
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.prompts import PromptEncoder, PromptError, read_prompts
+    from tp_engine.sampling.sampler import SamplingParams
     prompts = [{"prompt": ALICE, "max_tokens": 3}, {"input_id": [5, 6], "input_ids": [5, 6]}, ALICE]
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=5))
     assert [o["finish_reason"] for o in outs] == ["error", "error", "length"]
@@ -48,8 +48,8 @@ def test_a_prompt_objects_unknown_key_is_its_error_naming_the_key_meant(llm, tmp
 def test_numpy_and_torch_integers_are_token_ids_and_sampling_ints(llm):
     """numpy integers, 0-d and 1-d integer arrays and tensors are taken where Python ints are (token ids,
     SamplingParams' integers, stop_token_ids); the outputs hold Python ints. Bools and floats stay refused."""
-    from tp_engine.config import ConfigError
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.base.config import ConfigError
+    from tp_engine.sampling.sampler import SamplingParams
     ids = llm.encode(ALICE)
     params = SamplingParams(max_new_tokens=np.int64(4), top_k=np.int32(0), seed=np.uint8(3), n=np.int16(1),
                             logprobs=np.int64(0), stop_token_ids=np.array([7, 9]))
@@ -81,8 +81,8 @@ def test_api_messages_speak_of_python_types_and_the_config_of_yaml(llm, tmp_path
     from helpers import make_checkpoint
 
     from tp_engine.llm import LLM
-    from tp_engine.prompts import PromptEncoder
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.frontend.prompts import PromptEncoder
+    from tp_engine.sampling.sampler import SamplingParams
     with pytest.raises(TypeError) as err:
         llm.generate(5)
     assert str(err.value) == ("generate() takes a prompt (a str, a list of token ids or a dict) or a list of "
@@ -106,7 +106,7 @@ def test_on_token_gets_a_token_update_whose_text_never_shows_a_stop_string(llm):
     token), not the scheduler's request; its text holds back what could start a stop string, so it never runs
     past one, and the last update's text is the output's."""
     from tp_engine import TokenUpdate
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     updates = []
     outs = llm.generate([ALICE, "Down, down, down. Would the fall"],
                         SamplingParams(max_new_tokens=30, stop=[" her sister", "never"], n=2),
@@ -130,9 +130,9 @@ def test_on_token_gets_a_token_update_whose_text_never_shows_a_stop_string(llm):
 def test_token_update_text_holds_back_a_possible_stop_and_unfinished_characters():
     """The text grows by whole characters; at each step it holds back the longest end that a stop string
     starts with (and nothing else), and the text of an earlier update read late is still that update's."""
-    from tp_engine.sampler import SamplingParams
-    from tp_engine.scheduler import Request
-    from tp_engine.token_stream import TextStreams
+    from tp_engine.sampling.sampler import SamplingParams
+    from tp_engine.runtime.scheduler import Request
+    from tp_engine.frontend.token_stream import TextStreams
     words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: "\ufffd", 6: "é"}
     decode = lambda ids: "".join(words[i] for i in ids).replace("\ufffdé", "é")
     texts = TextStreams(decode, [" sister", "r!"])
@@ -152,9 +152,9 @@ def test_token_update_text_holds_back_a_possible_stop_and_unfinished_characters(
 def test_token_update_text_decodes_a_bounded_tail_of_a_long_output():
     """Each update decodes the ids after a settled point, not the whole output: a long output costs the same
     per token however far it has grown."""
-    from tp_engine.sampler import SamplingParams
-    from tp_engine.scheduler import Request
-    from tp_engine.token_stream import TextStreams
+    from tp_engine.sampling.sampler import SamplingParams
+    from tp_engine.runtime.scheduler import Request
+    from tp_engine.frontend.token_stream import TextStreams
     table = {1: "a", 2: " b", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
     decoded = []
 

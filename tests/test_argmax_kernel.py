@@ -10,7 +10,7 @@ SCRIPT = r'''
 import torch
 import triton_interpreter  # the test-side patches of the interpreter
 from tp_engine.kernels import sampling
-from tp_engine.topk_sampling import noise_at, row_hash
+from tp_engine.sampling.topk_sampling import noise_at, row_hash
 
 b = sampling.ARGMAX_BLOCK
 vocab = 2 * b + 904  # a partial last chunk

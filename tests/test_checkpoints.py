@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from helpers import hf_generate, make_checkpoint, run_cli
 from tp_engine.llm import LLM
 from tp_engine.comm import StartupError
-from tp_engine.loader import CheckpointError, SliceSource, checkpoint_files
-from tp_engine.sampler import SamplingParams
+from tp_engine.checkpoint.loader import CheckpointError, SliceSource, checkpoint_files
+from tp_engine.sampling.sampler import SamplingParams
 
 PROMPTS = [[5, 17, 300, 42, 8], [1, 2, 3]]
 NEW = 8

@@ -4,7 +4,7 @@
 import pytest
 
 from helpers import ROOT
-from tp_engine.config import ConfigError, build_config
+from tp_engine.base.config import ConfigError, build_config
 
 DEMO = ROOT / "configs" / "models" / "demo"
 

@@ -84,10 +84,10 @@ def test_streamer_writes_deltas_of_whole_characters():
     """The command line's stream writes each TokenUpdate's new text, which waits for a character's last
     byte."""
     import io
-    from tp_engine.progress import Streamer
-    from tp_engine.sampler import SamplingParams
-    from tp_engine.scheduler import Request
-    from tp_engine.token_stream import TextStreams
+    from tp_engine.frontend.progress import Streamer
+    from tp_engine.sampling.sampler import SamplingParams
+    from tp_engine.runtime.scheduler import Request
+    from tp_engine.frontend.token_stream import TextStreams
     table = {1: "Hel", 2: "lo", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
     texts = TextStreams(lambda ids: "".join(table[i] for i in ids).replace("\ufffdé", "é"), [])
     out = io.StringIO()

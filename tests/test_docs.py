@@ -4,7 +4,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tp_engine.config import SCHEMA
+from tp_engine.base.config import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
 

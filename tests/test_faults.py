@@ -88,7 +88,7 @@ def test_config_errors(ckpt, tmp_path, case):
 
 @pytest.mark.parametrize("key", ["all_reduce", "fused_kernels", "step_channel"])
 def test_advanced_keys_take_only_their_choices(ckpt, key):
-    from tp_engine.config import SCHEMA, ConfigError, build_config
+    from tp_engine.base.config import SCHEMA, ConfigError, build_config
     with pytest.raises(ConfigError, match=rf"config key 'advanced\.{key}' must be one of auto, .*; got 'fast'"):
         build_config(model=str(ckpt), advanced={key: "fast"})
     if "off" in SCHEMA[f"advanced.{key}"].choices:  # YAML reads a bare off as false
@@ -281,7 +281,7 @@ def test_fail_on_prompt_error_gives_status_3_and_a_resume_may_change_it(ckpt, tm
 def test_the_summary_counts_lines_and_the_errors_line_says_where_the_reasons_are():
     """The summary counts lines (prompts x n), leaves out an error prompt's tokens, counts prompts with several
     samples; the errors line points at the output file, stdout, or the text shown on the terminal."""
-    from tp_engine.summary import Summary
+    from tp_engine.frontend.summary import Summary
     s = Summary(samples=2)
     for i, reason in [(0, "length"), (0, "length"), (1, "error"), (1, "error")]:
         s.add({"index": i, "finish_reason": reason, "prompt_token_ids": [1, 2, 3], "cached_prompt_tokens": 0,

@@ -21,9 +21,9 @@ from tp_engine import comm
 from tp_engine.comm import StartupError, TPGroup
 from tp_engine.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tp_engine.layers.fp8 import Fp8Weight, finish_loading
-from tp_engine.loader import TensorSource
-from tp_engine.model_config import ModelConfig, ModelError
-from tp_engine.quant import FP8, quantize
+from tp_engine.checkpoint.loader import TensorSource
+from tp_engine.checkpoint.model_config import ModelConfig, ModelError
+from tp_engine.checkpoint.quant import FP8, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
@@ -387,7 +387,7 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
     layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's values."""
-    from tp_engine import engine as engine_module
+    from tp_engine.runtime import engine as engine_module
     from tp_engine.llm import LLM
     mixed = tmp_path / "mixed"
     quantize_checkpoint(str(ckpts["src"]), str(mixed), modules_to_not_convert=("model.layers.0.mlp",))

@@ -4,7 +4,7 @@ import torch
 
 from helpers import make_checkpoint, run_cli
 from tp_engine.llm import LLM
-from tp_engine.sampler import SamplingParams, sample
+from tp_engine.sampling.sampler import SamplingParams, sample
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8], [100, 200], list(range(40, 77)), [11, 12, 13, 14, 15]]
 

@@ -44,7 +44,7 @@ def test_flashinfer_matches_torch_backend():
     needs_flashinfer()
     from tp_engine.attention.flashinfer_backend import FlashInferBackend
     from tp_engine.attention.torch_backend import TorchBackend
-    from tp_engine.kv_cache import KVCache
+    from tp_engine.attention.kv_cache import KVCache
 
     H, KVH, D, S, P = 8, 2, 128, 16, 64
     g = torch.Generator().manual_seed(0)
@@ -77,8 +77,8 @@ def test_fused_qkv_path_matches_torch_path():
     """The fused Q/K norm + RoPE + K/V write kernel feeds attention the same values as the torch ops."""
     needs_flashinfer()
     from tp_engine.attention.flashinfer_backend import FlashInferBackend
-    from tp_engine.model_config import ModelConfig
-    from tp_engine.kv_cache import KVCache
+    from tp_engine.checkpoint.model_config import ModelConfig
+    from tp_engine.attention.kv_cache import KVCache
     from tp_engine.layers import RotaryEmbedding
     from tp_engine.models.qwen3 import Qwen3Attention
 
@@ -121,7 +121,7 @@ def test_fused_qkv_path_matches_torch_path():
 def test_fused_kernels_match_torch():
     from tp_engine.kernels import gemv
     from tp_engine.layers.norm import RMSNorm
-    from tp_engine.sampler import SamplingParams, sample
+    from tp_engine.sampling.sampler import SamplingParams, sample
 
     from tp_engine.kernels import select
     ops = select(DEV, "on")  # a missing Triton or a failed self-test is a failure here, not a skip

@@ -21,7 +21,7 @@ SCRIPT = r"""
 import json, logging, random, sys
 import torch
 from tp_engine.llm import LLM
-from tp_engine.sampler import SamplingParams
+from tp_engine.sampling.sampler import SamplingParams
 logging.basicConfig(level=logging.INFO)
 model, cap, max_prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.mem_get_info()[1])
@@ -83,9 +83,9 @@ def test_a_step_that_runs_out_of_memory_names_the_step_and_the_keys(tmp_path):
     """A pool set by hand past the plan leaves a long step no memory: its error names the step and what to lower,
     not the allocator's traceback."""
     needs_flashinfer()
-    from tp_engine.kv_cache import KVCache
+    from tp_engine.attention.kv_cache import KVCache
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
 
     cfg = json.loads((REPO / "configs" / "models" / "qwen3-0.6b" / "config.json").read_text())
     torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ import torch
 from gpu_helpers import BF16, DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, SEQUENCES, assert_parity, generate, \
     hf_greedy, llm, needs_flashinfer, step_batch
 from test_gpu_sampling import check_logprobs
-from tp_engine.sampler import SamplingParams
+from tp_engine.sampling.sampler import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 

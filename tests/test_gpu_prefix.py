@@ -69,7 +69,7 @@ def test_flashinfer_mixed_step_over_shared_pages_matches_torch():
     needs_flashinfer()
     from tp_engine.attention.flashinfer_backend import FlashInferBackend
     from tp_engine.attention.torch_backend import TorchBackend
-    from tp_engine.kv_cache import KVCache
+    from tp_engine.attention.kv_cache import KVCache
 
     H, KVH, D, S, P = 8, 2, 128, 16, 32
     g = torch.Generator().manual_seed(1)
@@ -124,5 +124,5 @@ def test_tp2_prefix_cache_and_chunks_equal_plain_run(tiny_ckpt, hf_ref, tmp_path
 
 
 def _params(**kw):
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     return SamplingParams(**kw)

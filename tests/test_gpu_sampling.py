@@ -18,8 +18,8 @@ from gpu_helpers import (DEV, HAS_CUDA, NEAR_TIE_ABS, NEAR_TIE_REL, PARITY_PROMP
                          needs_flashinfer)
 from helpers import free_port
 from test_sampling import mixed_params, random_rows, reference
-from tp_engine import sampler
-from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs
+from tp_engine.sampling import sampler
+from tp_engine.sampling.sampler import SamplingParams, request_seed, sample, token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -159,7 +159,7 @@ def test_a_nan_logit_is_what_every_kernel_draw_picks():
 def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
     """The fused temperature-only kernel clamps the uniform below 1 exactly as topk_sampling.noise_at does."""
     from tp_engine.kernels import select
-    from tp_engine.sampler import uniform_noise
+    from tp_engine.sampling.sampler import uniform_noise
 
     assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
     vocab = 1 << 17

@@ -10,8 +10,8 @@ import pytest
 
 from helpers import ROOT, run_cli
 from tp_engine.cli import main
-from tp_engine.config import ConfigError, build_config
-from tp_engine.model_config import ModelConfig, ModelError
+from tp_engine.base.config import ConfigError, build_config
+from tp_engine.checkpoint.model_config import ModelConfig, ModelError
 
 DEMO = ROOT / "configs" / "models" / "demo"
 
@@ -74,7 +74,7 @@ def test_prompts_file_lines_end_at_newlines_only(tmp_path, capsys):
     conf, pf = config_with_prompts_file(tmp_path, '{"prompt": "one\u2028two"}\r\n{"input_ids": [1, 2]}\n'.encode())
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 0, err
-    from tp_engine.prompts import read_prompts
+    from tp_engine.frontend.prompts import read_prompts
     assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"}, {"input_ids": array("i", [1, 2])}]
 
 
@@ -127,7 +127,7 @@ def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(mon
     """The command line tokenized a job's prompts one call each before any weight loaded; batches let a fast
     tokenizer use its threads. Ids and errors must be those of each prompt alone, also when a batch fails."""
     from transformers import AutoTokenizer
-    from tp_engine.prompts import TOKENIZE_BATCH, PromptEncoder, PromptError
+    from tp_engine.frontend.prompts import TOKENIZE_BATCH, PromptEncoder, PromptError
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     words = "the rabbit hole went straight on like a tunnel and then dipped suddenly down".split()
     texts = [" ".join(words[i % 7:i % 11 + 3]) + f" {i}" for i in range(TOKENIZE_BATCH + 300)]
@@ -150,7 +150,7 @@ def test_encoding_a_jobs_texts_holds_a_batch_of_them_as_python_ints(monkeypatch)
     """encode_all tokenized every text, then made the ids compact: at its peak it held all of a job's ids as
     Python ints, about 45 bytes a token."""
     import tracemalloc
-    from tp_engine import prompts as P
+    from tp_engine.frontend import prompts as P
     monkeypatch.setattr(P, "TOKENIZE_BATCH", 64)
     enc = P.PromptEncoder(str(DEMO))
     words = "the rabbit hole went straight on like a tunnel and then dipped suddenly down".split()
@@ -170,7 +170,7 @@ def test_encoding_a_jobs_texts_holds_a_batch_of_them_as_python_ints(monkeypatch)
 
 
 def test_input_ids_given_as_an_array_of_floats_are_refused():
-    from tp_engine.prompts import PromptEncoder, PromptError
+    from tp_engine.frontend.prompts import PromptEncoder, PromptError
     got = PromptEncoder(str(DEMO)).encode_all([{"input_ids": array("d", [5.0, 6.5])}, {"input_ids": array("i", [5])}])
     assert isinstance(got[0], PromptError) and "input_ids must be a list of integers" in str(got[0])
     assert list(got[1]) == [5]
@@ -190,7 +190,7 @@ def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp
     conf.write_text(f"model: {DEMO}\nprompts: [hi]\n")
     cfg = build_config(str(conf), overrides=[f"prompts_file={pf}"])
     assert (cfg["prompts"], cfg["prompts_file"]) == (None, str(pf))
-    from tp_engine.prompts import read_prompts
+    from tp_engine.frontend.prompts import read_prompts
     with pytest.raises(ConfigError, match="both are set"):  # one layer giving both is still a contradiction
         read_prompts(build_config(str(conf), overrides=["prompts=[hello]", f"prompts_file={pf}"]))
 
@@ -258,7 +258,7 @@ BAD_SAMPLING = [("temperature", "0.7"), ("max_new_tokens", 1.5), ("stop_token_id
 
 @pytest.mark.parametrize("name,value", BAD_SAMPLING)
 def test_sampling_params_follow_the_config_rules(name, value):
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     key = "seed" if name == "seed" else f"sampling.{name}"
     with pytest.raises(ConfigError) as from_config:
         build_config(model=str(DEMO), prompts=[], **({name: value} if name == "seed" else {"sampling": {name: value}}))
@@ -303,7 +303,7 @@ def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp
 def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkeypatch):
     """Requests longer than the pool end with finish_reason length: the start-up line says where the limit is."""
     import logging
-    from tp_engine import memory_plan
+    from tp_engine.runtime import memory_plan
     from tp_engine.llm import LLM
     monkeypatch.setattr(memory_plan, "budget_pages", lambda *a: 4)  # as a small default pool on the CPU would be
     with caplog.at_level(logging.INFO, logger="tp_engine"):
@@ -325,7 +325,7 @@ def test_llm_says_which_keys_only_the_command_line_reads(tmp_path, caplog):
 def test_sampling_params_without_a_seed_take_the_llms():
     """LLM(seed=5) with a SamplingParams that names no seed used to sample with seed 0."""
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     llm = LLM(model=str(DEMO), device="cpu", seed=5, sampling={"temperature": 1.0, "max_new_tokens": 12})
 
     def ids(params=None):
@@ -339,7 +339,7 @@ def test_sampling_params_without_a_seed_take_the_llms():
 
 def test_generate_takes_one_prompt_and_stop_as_one_string():
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     llm = LLM(model=str(DEMO), device="cpu")
     params = SamplingParams(max_new_tokens=40, stop=" sister")
     assert params.stop == [" sister"]
@@ -359,8 +359,8 @@ def test_stop_strings_keep_nothing_of_a_finished_request():
     job, and, once finished requests are freed, a new request with a finished one's id took its window over."""
     import gc
     from transformers import AutoTokenizer
-    from tp_engine.prompts import PromptEncoder
-    from tp_engine.stop_strings import StopStrings
+    from tp_engine.frontend.prompts import PromptEncoder
+    from tp_engine.frontend.stop_strings import StopStrings
     tok, enc = AutoTokenizer.from_pretrained(str(DEMO)), PromptEncoder(str(DEMO))
     stops = StopStrings([","], enc.decode, enc.special_ids, enc.num_tokens)
     for _ in range(100):
@@ -379,7 +379,7 @@ def test_generate_runs_the_prompts_it_was_given_and_keeps_none_after_a_failed_ca
     import gc
     import weakref
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
 
     class Prompt(dict):  # a prompt that a weak reference can follow
         pass
@@ -508,7 +508,7 @@ def test_a_run_with_no_prompts_is_refused_before_it_touches_the_output(tmp_path,
 
 
 def test_results_file_is_left_alone_when_a_run_has_no_result(tmp_path):
-    from tp_engine.results import ResultSink
+    from tp_engine.frontend.results import ResultSink
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
     ResultSink(out, str(out), {"model": "m"}).close()
@@ -519,8 +519,8 @@ def test_results_file_is_left_alone_when_a_run_has_no_result(tmp_path):
 def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path, monkeypatch):
     """A read-only output used to be replaced at the first result and the run then crashed on its appends; a
     name too long for the files written beside it crashed there too; a trailing slash wrote a file."""
-    from tp_engine import output_file
-    from tp_engine.output_file import check_target
+    from tp_engine.frontend import output_file
+    from tp_engine.frontend.output_file import check_target
     ro = tmp_path / "ro.jsonl"
     ro.write_text("kept\n")
     ro.chmod(0o444)
@@ -540,8 +540,8 @@ def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path,
 def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_path, monkeypatch):
     """Every write goes through a temporary file and a rename in the output's folder: a writable output in a folder
     the user may not write in was accepted, and the run failed at its first result with a traceback."""
-    from tp_engine import output_file
-    from tp_engine.output_file import check_target
+    from tp_engine.frontend import output_file
+    from tp_engine.frontend.output_file import check_target
     ro = tmp_path / "ro"
     ro.mkdir()
     out = ro / "out.jsonl"
@@ -560,8 +560,8 @@ def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_
 def test_an_output_of_another_user_in_a_sticky_folder_is_refused_at_start_up(tmp_path, monkeypatch):
     """In a sticky folder such as /tmp only a file's owner may replace it: another user's output (or its
     .run.json), though writable, was accepted, and the run failed at its first result."""
-    from tp_engine import output_file
-    from tp_engine.output_file import check_target
+    from tp_engine.frontend import output_file
+    from tp_engine.frontend.output_file import check_target
     folder = tmp_path / "shared"
     folder.mkdir()
     folder.chmod(0o1777)
@@ -578,7 +578,7 @@ def test_an_output_of_another_user_in_a_sticky_folder_is_refused_at_start_up(tmp
 def test_an_output_lock_refused_takes_away_only_the_folders_it_made(tmp_path, monkeypatch):
     """The folders made for an output go again when its lock cannot be taken; one that another process made
     in the meantime stays."""
-    from tp_engine import output_file
+    from tp_engine.frontend import output_file
     target = tmp_path / "a" / "b" / "c" / "out.jsonl"
     real_mkdir, real_open = os.mkdir, os.open
 
@@ -604,9 +604,9 @@ class Exited(BaseException):
 
 
 def output_file_lines(call) -> list:
-    """(code, line) of each line of tp_engine/output_file.py that `call()` runs, first runs only, in order."""
+    """(code, line) of each line of tp_engine/frontend/output_file.py that `call()` runs, first runs only, in order."""
     import sys
-    from tp_engine import output_file
+    from tp_engine.frontend import output_file
     lines = []
 
     def record(frame, event, arg):
@@ -648,7 +648,7 @@ def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
     """The signal handler releases the output and exits. It can run in the main thread while that thread is
     inside release() (torchrun's SIGTERM after a rank died, as rank 0 ends): at any line of it, the handler's
     release must finish the work without an error (it once closed the lock's descriptor a second time)."""
-    from tp_engine import output_file
+    from tp_engine.frontend import output_file
     lines = output_file_lines(output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl").release)
     for n, (code, line) in enumerate(lines):
         target = tmp_path / str(n) / "a" / "out.jsonl"
@@ -667,7 +667,7 @@ def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporar
     """The output is rewritten in input order through a temporary file beside it. A signal in the middle (the
     handler releases the output and exits) left that file behind, and one of a killed run stayed for good.
     Both go now, others' files stay, and the output holds either its old lines or its new ones."""
-    from tp_engine import output_file
+    from tp_engine.frontend import output_file
     target = tmp_path / "out.jsonl"
     old, new = b'{"index": 1}\n{"index": 0}\n', b'{"index": 0}\n{"index": 1}\n'
 
@@ -697,7 +697,7 @@ def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporar
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
     """When the first result's write failed, the message on stopping said that finished results were in the
     output, which still held the earlier run's lines only; a result is counted as kept once it is in the file."""
-    from tp_engine import results
+    from tp_engine.frontend import results
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
     sink = results.ResultSink(out, str(out), {"model": "m"})
@@ -721,7 +721,7 @@ def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, mon
 
 
 def test_output_under_a_file_names_the_output(tmp_path):
-    from tp_engine.output_file import check_target
+    from tp_engine.frontend.output_file import check_target
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError) as err:
         check_target(str(tmp_path / "a_file" / "out.jsonl"), {}, str(DEMO))
@@ -729,7 +729,7 @@ def test_output_under_a_file_names_the_output(tmp_path):
 
 
 def test_shard_index_with_a_list_for_weight_map_is_a_checkpoint_error(tmp_path):
-    from tp_engine.loader import CheckpointError, checkpoint_files
+    from tp_engine.checkpoint.loader import CheckpointError, checkpoint_files
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["model-00001.safetensors"]}')
     with pytest.raises(CheckpointError) as err:
         checkpoint_files(str(tmp_path))
@@ -753,9 +753,9 @@ def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
 def test_streamed_text_stops_before_a_stop_string():
     """What the command line streams (a TokenUpdate's text) never shows a stop string, and at the end is cut
     at the earliest one."""
-    from tp_engine.scheduler import Request
-    from tp_engine.sampler import SamplingParams
-    from tp_engine.token_stream import TextStreams
+    from tp_engine.runtime.scheduler import Request
+    from tp_engine.sampling.sampler import SamplingParams
+    from tp_engine.frontend.token_stream import TextStreams
 
     def shown(decode, stop, ids, final_text=None):
         texts, req = TextStreams(decode, stop), Request(0, [1], SamplingParams())
@@ -822,8 +822,8 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
 def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
     """`- yes`, `- 12:30` and `- 2024-01-01` in a YAML prompt list are True, 750 and a date: the error named only
     the type, which the prompt as written does not show."""
-    from tp_engine.prompts import PromptEncoder, PromptError
-    from tp_engine.textio import load_yaml
+    from tp_engine.frontend.prompts import PromptEncoder, PromptError
+    from tp_engine.base.textio import load_yaml
 
     prompts = load_yaml("prompts: [yes, '12:30', 12:30, 2024-01-01, [3, 4]]")["prompts"]
     got = PromptEncoder(str(DEMO)).encode_all(prompts)
@@ -837,15 +837,15 @@ def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
 
 
 def _request(output_ids: list[int]):
-    from tp_engine.sampler import SamplingParams
-    from tp_engine.scheduler import Request
+    from tp_engine.sampling.sampler import SamplingParams
+    from tp_engine.runtime.scheduler import Request
     return Request(0, [1], SamplingParams(), output_ids=output_ids)
 
 
 def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:
     """StopStrings.hit after each token of `ids`, as the LLM sets it up, and the request's text once it hit."""
-    from tp_engine.prompts import PromptEncoder
-    from tp_engine.stop_strings import StopStrings
+    from tp_engine.frontend.prompts import PromptEncoder
+    from tp_engine.frontend.stop_strings import StopStrings
     enc = PromptEncoder(str(model_dir))
     stops = StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts)
     req = _request([])
@@ -907,7 +907,7 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_at_that_token(tmp_path
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     # the demo model with ids 2 (<|im_end|>, not EOS here) and 1641 (" sister") swapped: it says <|im_end|>
     model = tmp_path / "m"
     shutil.copytree(DEMO, model)
@@ -933,7 +933,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     with a TypeError from inside the generation loop (the LLM) after the weights loaded."""
     from helpers import make_checkpoint
     from tp_engine.llm import LLM
-    from tp_engine.sampler import SamplingParams
+    from tp_engine.sampling.sampler import SamplingParams
     model = make_checkpoint(tmp_path / "m")
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
@@ -953,8 +953,8 @@ def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens
     """The look-back window walked back to the first output token when the output ended in special tokens
     (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per request."""
     from transformers import AutoTokenizer
-    from tp_engine.prompts import PromptEncoder
-    from tp_engine.stop_strings import StopStrings
+    from tp_engine.frontend.prompts import PromptEncoder
+    from tp_engine.frontend.stop_strings import StopStrings
     tok, enc = AutoTokenizer.from_pretrained(str(DEMO)), PromptEncoder(str(DEMO))
     lengths = []
 

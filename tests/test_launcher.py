@@ -163,9 +163,9 @@ def test_console_script_is_the_launcher():
 STALL = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-from tp_engine.lifeline import start_rank
+from tp_engine.frontend.lifeline import start_rank
 start_rank()  # as launch/generate.py
-import tp_engine.comm, tp_engine.engine
+import tp_engine.comm, tp_engine.runtime.engine
 if os.environ["RANK"] == "0":  # rank 0 stops here; rank 1 waits for it in a collective
     def stalled(*args, **kw):
         open({marker!r}, "w").close()
@@ -180,8 +180,8 @@ MOMENTS = {  # seconds after the ranks appear: their interpreter's start-up, bef
     "imports_0.3s": 0.3,  # ... and their imports (the config and prompts are read in between)
     "imports_1s": 1.0,
     "rendezvous": ("tp_engine.comm", "init_distributed"),  # or where rank 0 stops (STALL)
-    "loading": ("tp_engine.engine", "load_checkpoint"),
-    "first_step": ("tp_engine.engine.Engine", "forward"),
+    "loading": ("tp_engine.models", "load_checkpoint"),
+    "first_step": ("tp_engine.runtime.engine.Engine", "forward"),
 }
 
 
@@ -222,7 +222,7 @@ ORPHAN = """
 import sys, time
 sys.path.insert(0, {root!r})
 time.sleep(1)  # its launcher exits meanwhile
-from tp_engine.lifeline import start_rank
+from tp_engine.frontend.lifeline import start_rank
 start_rank()
 time.sleep(60)
 """

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tp_engine import comm
 from tp_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                               RowParallelLinear, VocabParallelEmbedding)
-from tp_engine.loader import TensorSource
+from tp_engine.checkpoint.loader import TensorSource
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
 
@@ -104,7 +104,7 @@ def check_embedding(rank, world):
 
 
 def check_lm_head(rank, world):
-    from tp_engine.context import Batch, forward_context
+    from tp_engine.base.batch import Batch, forward_context
     vocab = 1001
     w, h = torch.randn(vocab, 24), torch.randn(9, 24)
     head = ParallelLMHead(vocab, 24)
@@ -125,7 +125,7 @@ def check_moe(rank, world):
     unsharded experts, and the experts themselves run no collective (the next norm all-reduces)."""
     from tp_engine.layers import FusedMoE, TopKRouter
     from tp_engine.layers.moe import experts_reference
-    from tp_engine.loader import default_loader
+    from tp_engine.checkpoint.loader import default_loader
     E, H, inter, k = 6, 16, 24, 2
     gate, up, down = (torch.randn(E, inter, H) * 0.3, torch.randn(E, inter, H) * 0.3,
                       torch.randn(E, H, inter) * 0.3)  # outputs of order 1, as the other checks
@@ -189,7 +189,7 @@ def test_parallel_layers_equal_unsharded(world, tmp_path):
 
 
 def test_tp_that_cannot_split_heads_names_the_numbers():
-    from tp_engine.model_config import ModelConfig, ModelError
+    from tp_engine.checkpoint.model_config import ModelConfig, ModelError
     cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
                                  "num_attention_heads": 6, "num_key_value_heads": 3})
     with pytest.raises(ModelError, match="num_attention_heads=6 .* size 4"):

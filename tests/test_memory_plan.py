@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tp_engine import memory_plan
-from tp_engine.memory_plan import GiB, MARGIN, MemoryPlan
+from tp_engine.runtime import memory_plan
+from tp_engine.runtime.memory_plan import GiB, MARGIN, MemoryPlan
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "models" / "demo"
 

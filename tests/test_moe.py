@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, api_outputs, make_moe_checkpoint, run_cli
-from tp_engine.loader import CheckpointError, checkpoint_map, load_checkpoint
-from tp_engine.model_config import ModelConfig, ModelError
+from tp_engine.checkpoint.loader import CheckpointError, checkpoint_map, load_checkpoint
+from tp_engine.checkpoint.model_config import ModelConfig, ModelError
 from tp_engine.models import build_model
 
 NEAR_TIE = 1e-3  # the engine runs fp32 against a fp64 reference: logits agree to ~1e-5, so only closer ones may swap
@@ -211,7 +211,7 @@ def test_bench_checkpoint_names_match_the_model_and_floor():
 def test_dummy_weights_give_every_rank_the_same_router(tmp_path):
     """load_format dummy draws each rank's weights from seed + rank: the replicated router too, so at TP > 1
     the ranks picked different experts for the same token (benchmarks of MoE shapes routed unlike any model)."""
-    from tp_engine.loader import init_dummy
+    from tp_engine.checkpoint.loader import init_dummy
     cfg = ModelConfig.from_dir(str(make_moe_checkpoint(tmp_path / "m")))
     models = [build_model(cfg) for _ in range(2)]
     for rank, model in enumerate(models):

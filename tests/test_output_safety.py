@@ -138,7 +138,7 @@ def test_symlinked_output_is_written_through(ckpt, tmp_path):
 FAILS_AT_FIRST_STEP = """
 import sys
 sys.path.insert(0, {root!r})
-from tp_engine import engine
+from tp_engine.runtime import engine
 def forward(self, batch):
     raise RuntimeError("injected fault")
 engine.Engine.forward = forward
@@ -180,7 +180,7 @@ def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
 STOPPED_EARLY = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-from tp_engine import engine
+from tp_engine.runtime import engine
 def forward(self, *args):
     {action}
 engine.Engine.forward = forward
@@ -289,7 +289,7 @@ def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
 
 PRINTER = r"""
 import signal
-from tp_engine.results import ResultSink
+from tp_engine.frontend.results import ResultSink
 
 signal.signal(signal.SIGALRM, lambda *_: None)  # a handler that returns, as Ctrl-C's does while results print
 signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
@@ -321,7 +321,7 @@ def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monk
     requests), about 45 bytes a token: a million prompts of 2k tokens would not fit in rank 0's memory."""
     import tracemalloc
 
-    from tp_engine import results
+    from tp_engine.frontend import results
     from tp_engine.cli import main
     from tp_engine.llm import LLM
 
@@ -354,7 +354,7 @@ def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monk
 LATE_SIGNAL = r"""
 import os, signal, sys
 from tp_engine import cli
-from tp_engine.results import ResultSink
+from tp_engine.frontend.results import ResultSink
 
 cli.install_signal_handlers(0)
 cli._SINK = ResultSink(None, None, {"model": "m"})
@@ -407,7 +407,7 @@ def test_a_signal_before_the_run_started_is_one_line(ckpt, tmp_path, sig):
 FAILING_RANK = r"""
 import os, signal, sys
 from tp_engine import cli
-from tp_engine.results import ResultSink
+from tp_engine.frontend.results import ResultSink
 
 
 def run(*args, **kw):
@@ -438,7 +438,7 @@ def test_a_signal_while_a_rank_fails_does_not_hide_why():
 
 
 def test_a_failure_after_the_results_were_printed_does_not_say_a_line_may_be_cut(capsys):
-    from tp_engine.results import ResultSink
+    from tp_engine.frontend.results import ResultSink
     sink = ResultSink(None, None, {"model": "m"})
     sink.add({"index": 0, "output_token_ids": [5], "finish_reason": "length"})
     sink.close()
@@ -449,7 +449,7 @@ def test_a_failure_after_the_results_were_printed_does_not_say_a_line_may_be_cut
 def test_results_printed_to_a_stdout_without_a_file_are_flushed(monkeypatch):
     """The signal handler leaves with os._exit: lines left in stdout's buffer were lost."""
     import io
-    from tp_engine.results import print_lines
+    from tp_engine.frontend.results import print_lines
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw))
     print_lines(['{"index": 0}'])
@@ -523,8 +523,8 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
     """A last line without its newline was dropped unread: another tool's file was then replaced silently. A
     line that ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with
     another pool changes: it runs again. Replacing the weights in place changes `run`."""
-    from tp_engine.config import ConfigError, build_config
-    from tp_engine.results import read_for_resume, run_id, run_settings
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.results import read_for_resume, run_id, run_settings
 
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
@@ -552,7 +552,7 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
 def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
     """On a terminal with no output file, only `text` was shown: the thinking of a chat model was lost, all of it
     when max_new_tokens cut inside it (the answer then empty)."""
-    from tp_engine.results import ResultSink
+    from tp_engine.frontend.results import ResultSink
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     sink = ResultSink(None, None, {"model": "m"}, decode=lambda ids: "PROMPT ")
@@ -569,8 +569,8 @@ def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
 
 def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_path):
     """A hand-edited line with `output_token_ids` a number raised TypeError (a traceback, no line named)."""
-    from tp_engine.config import ConfigError, build_config
-    from tp_engine.results import read_for_resume, run_id, run_settings
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.results import read_for_resume, run_id, run_settings
 
     settings = run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8}), "float32", 1)
     good = {"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8, "finish_reason": "length",
@@ -583,8 +583,8 @@ def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_p
 
 def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     """It showed the weight files' raw [name, size, mtime_ns] lists, and `logprobs=null` for logprobs off."""
-    from tp_engine.config import ConfigError, build_config
-    from tp_engine.results import read_for_resume, run_id, run_settings, write_settings
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
 
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
@@ -610,8 +610,8 @@ def test_fp8_activations_change_the_run(ckpt, tmp_path):
     """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only), but
     resume took its lines for weight_only ones. The default adds nothing to the record (older lines keep
     `run`), nor does the key for a model without FP8 weights, whose tokens it cannot change."""
-    from tp_engine.config import ConfigError, build_config
-    from tp_engine.results import read_for_resume, run_id, run_settings, write_settings
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
 
     def settings(mode, fp8=True):
         return run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8},

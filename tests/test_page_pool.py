@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from tp_engine.kv_cache import page_table
-from tp_engine.page_pool import ROOT_KEY, PagePool, page_key
-from tp_engine.sampler import SamplingParams
-from tp_engine.scheduler import Request, Scheduler
-from tp_engine.step_message import PageTables, decode_message
+from tp_engine.attention.kv_cache import page_table
+from tp_engine.runtime.page_pool import ROOT_KEY, PagePool, page_key
+from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.scheduler import Request, Scheduler
+from tp_engine.runtime.step_message import PageTables, decode_message
 
 V, EOS, S = 61, 7, 4
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import hf_generate, make_checkpoint, run_cli
 from tp_engine.llm import LLM
-from tp_engine.sampler import SamplingParams
+from tp_engine.sampling.sampler import SamplingParams
 
 NEW = 10
 _rng = random.Random(3)
@@ -119,9 +119,9 @@ def test_decoded_pages_are_found_by_a_later_prompt(ckpt, reference):
 def test_blocked_request_hashes_its_pages_once(monkeypatch):
     """The head of the queue waits for pages over many steps: its page keys are computed once, not at every
     admission attempt."""
-    import tp_engine.page_pool as pp
-    from tp_engine.page_pool import PagePool
-    from tp_engine.scheduler import Request, Scheduler
+    import tp_engine.runtime.page_pool as pp
+    from tp_engine.runtime.page_pool import PagePool
+    from tp_engine.runtime.scheduler import Request, Scheduler
 
     calls = []
     real = pp.page_key
@@ -161,7 +161,7 @@ def test_chunked_prefill_while_others_decode(ckpt):
 def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
     """With a small max_prefill_cost_while_decoding, a long prompt among decoding requests is cut into chunks
     that shrink as its context grows (each costing at most the bound, step_budget.py); equal to transformers."""
-    from tp_engine.step_budget import StepBudget
+    from tp_engine.runtime.step_budget import StepBudget
 
     long = [random.Random(11).randrange(1, 384) for _ in range(120)]
     prompts = [PROMPTS[0], PROMPTS[5], long]

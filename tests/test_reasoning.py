@@ -5,8 +5,8 @@ import pytest
 
 from helpers import make_checkpoint, run_cli
 from tp_engine.llm import LLM
-from tp_engine.reasoning import opens_thinking, split_reasoning
-from tp_engine.sampler import SamplingParams
+from tp_engine.frontend.reasoning import opens_thinking, split_reasoning
+from tp_engine.sampling.sampler import SamplingParams
 
 VOCAB = 384
 THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -133,7 +133,7 @@ def test_think_tags_that_decoding_skips_do_not_split(tmp_path):
 
     from transformers import AutoTokenizer
     from helpers import ROOT
-    from tp_engine.reasoning import think_tags
+    from tp_engine.frontend.reasoning import think_tags
     demo = ROOT / "configs" / "models" / "demo"
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo / f, tmp_path / f)

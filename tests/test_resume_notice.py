@@ -6,8 +6,8 @@ import torch
 
 from helpers import ROOT
 from tp_engine.cli import Preflight
-from tp_engine.config import build_config
-from tp_engine.prompts import read_prompts
+from tp_engine.base.config import build_config
+from tp_engine.frontend.prompts import read_prompts
 
 DEMO = ROOT / "configs" / "models" / "demo"
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import make_checkpoint, run_cli
-from tp_engine.config import ConfigError, build_config, fingerprint
+from tp_engine.base.config import ConfigError, build_config, fingerprint
 from tp_engine.llm import LLM
-from tp_engine.sampler import SamplingParams
+from tp_engine.sampling.sampler import SamplingParams
 
 PROMPTS = [{"input_ids": [3, 1, 4, 1, 5, 9, 2, 6]}, {"input_ids": [8]}, {"input_ids": [100, 200, 7]}]
 SAMPLED = {"temperature": 1.0, "top_k": 40, "top_p": 0.9, "max_new_tokens": 8}
@@ -164,7 +164,7 @@ def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_
               "sets min_new_tokens 4, suppress_tokens [5], num_beams 2, which"),  # top_h acts only when sampling
              ({**QWEN3, "top_h": 0.5, "forced_eos_token_id": 2}, "sets forced_eos_token_id 2, top_h 0.5"),
              ({**QWEN3, "min_new_tokens": 0, "suppress_tokens": [], "num_beams": 1, "guidance_scale": None}, None)]
-    from tp_engine.generation_config import unapplied_warning
+    from tp_engine.base.generation_config import unapplied_warning
     for i, (content, said) in enumerate(cases):
         model = with_generation_config(ckpt, tmp_path / str(i), content)
         warning = unapplied_warning(model)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tp_engine.sampler import SamplingParams, request_seed, sample, token_logprobs, uniform_noise
-from tp_engine.topk_sampling import _mask_sorted, full_sort_draw, row_hash
+from tp_engine.sampling.sampler import SamplingParams, request_seed, sample, token_logprobs, uniform_noise
+from tp_engine.sampling.topk_sampling import _mask_sorted, full_sort_draw, row_hash
 
 
 def reference(logits, params, seeds, steps):
@@ -194,7 +194,7 @@ def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
     """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one past
     the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the first
     NaN, as torch.argmax does for greedy, whatever the NaN's sign bit."""
-    from tp_engine.sampler import TOPK_MAX_K
+    from tp_engine.sampling.sampler import TOPK_MAX_K
     vocab = 2 * TOPK_MAX_K + 50
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
     logits[:, 40] = float("nan")

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 SCRIPT = r'''
 import torch
 from tp_engine.kernels import sampling
-from tp_engine.topk_sampling import order_key
+from tp_engine.sampling.topk_sampling import order_key
 
 gen = torch.Generator().manual_seed(0)
 vocab = 2 * sampling.TOPK_BLOCK + 904  # a partial last chunk
@@ -37,7 +37,7 @@ for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
     assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
 
 # the draw among the candidates against topk_sampling.draw_among, with top-k and top-p masks of every kind
-from tp_engine.topk_sampling import draw_among, row_hash
+from tp_engine.sampling.topk_sampling import draw_among, row_hash
 n = len(rows)
 ks = torch.tensor([1, 3, 20, 64, 64, 7, 20, 20])
 ps = torch.tensor([1.0, 0.95, 0.5, 1e-6, 0.95, 1.0, 0.9, 0.9])

@@ -3,10 +3,10 @@ tokens (the engine's overlapped loop). The outputs must equal those of issuing o
 import pytest
 import torch
 
-from tp_engine.sampler import SamplingParams
-from tp_engine.page_pool import PagePool
-from tp_engine.scheduler import Request, Scheduler
-from tp_engine.step_message import PageTables, decode_message
+from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.page_pool import PagePool
+from tp_engine.runtime.scheduler import Request, Scheduler
+from tp_engine.runtime.step_message import PageTables, decode_message
 
 V, EOS = 50, 7
 
@@ -122,8 +122,8 @@ def test_page_table_holds_exactly_each_requests_pages():
     may hold a page more than the tokens need)."""
     import numpy as np
 
-    from tp_engine.context import Batch
-    from tp_engine.kv_cache import page_table
+    from tp_engine.base.batch import Batch
+    from tp_engine.attention.kv_cache import page_table
 
     seq, tables = [9, 1, 4, 13], [[7, 2, 5], [0], [3], [8, 1, 6, 4]]  # page size 4
     longer = [t + [99] for t in tables]
@@ -142,7 +142,7 @@ def test_step_budget_grants_the_most_tokens_that_fit():
     one token for the step's first prompt row, and the cost and tokens left counted down."""
     import random
 
-    from tp_engine.step_budget import StepBudget
+    from tp_engine.runtime.step_budget import StepBudget
 
     rng = random.Random(0)
     for _ in range(3000):
@@ -164,7 +164,7 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
     """A long prompt arrives while short requests decode: each step that has decode rows takes prompt tokens
     of at most `cost` (each at position c costing 1 + c / span), or a single token; steps without decode
     rows take up to max_prefill_tokens; the outputs equal those of unbounded steps."""
-    from tp_engine.step_budget import StepBudget
+    from tp_engine.runtime.step_budget import StepBudget
 
     span = 8.0
     outputs = {}
@@ -199,7 +199,7 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
 
 def test_graph_token_buckets_pad_a_step_by_at_most_an_eighth():
     """The token counts prompt steps are captured at (piecewise_graph.py)."""
-    from tp_engine.piecewise_graph import token_buckets
+    from tp_engine.runtime.piecewise_graph import token_buckets
     b = token_buckets(4096)
     assert b[:3] == [64, 128, 192] and b[-1] == 4096 and b == sorted(set(b))
     assert all((hi - lo) / lo <= 1 / 8 for lo, hi in zip(b, b[1:]) if lo >= 512)
@@ -209,7 +209,7 @@ def test_graph_token_buckets_pad_a_step_by_at_most_an_eighth():
 def test_a_long_request_computes_each_page_key_once_in_all(monkeypatch):
     """Registering a request's pages for the prefix cache started from its first page every time (each prompt
     chunk, each page a decode row fills): O(pages) per call, O(pages**2) for a long request."""
-    from tp_engine import scheduler
+    from tp_engine.runtime import scheduler
     walked = [0]
     real = scheduler.chain_keys
 

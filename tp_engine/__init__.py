@@ -8,10 +8,10 @@ def __getattr__(name):
         from tp_engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from tp_engine.sampler import SamplingParams
+        from tp_engine.sampling.sampler import SamplingParams
         return SamplingParams
     if name == "TokenUpdate":
-        from tp_engine.token_stream import TokenUpdate
+        from tp_engine.frontend.token_stream import TokenUpdate
         return TokenUpdate
     raise AttributeError(name)
 

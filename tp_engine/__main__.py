@@ -2,7 +2,7 @@
 that tp-generate starts (an installed package has no launch/ folder)."""
 import sys
 
-from tp_engine.lifeline import start_rank
+from tp_engine.frontend.lifeline import start_rank
 
 start_rank()  # first: the imports below take seconds (torch), and the launcher may die meanwhile
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tp_engine import config as C
-from tp_engine.output_file import OutputLock, check_target
-from tp_engine.progress import Progress, Streamer
-from tp_engine.prompts import PromptEncoder, read_prompts
-from tp_engine.results import ResultSink, read_for_resume, run_settings
-from tp_engine.summary import Summary
+from tp_engine.base import config as C
+from tp_engine.frontend.output_file import OutputLock, check_target
+from tp_engine.frontend.progress import Progress, Streamer
+from tp_engine.frontend.prompts import PromptEncoder, read_prompts
+from tp_engine.frontend.results import ResultSink, read_for_resume, run_settings
+from tp_engine.frontend.summary import Summary
 
 if TYPE_CHECKING:  # torch itself is imported only once the config is known to be good
     import torch
@@ -121,7 +121,7 @@ class Preflight:
                                   cfg["model"])
             self.lock = OutputLock(target, shown)
         self.encoded = encoder.encode_all(self.prompts)
-        from tp_engine.model_config import ModelConfig  # it needs torch: only once the config is good
+        from tp_engine.checkpoint.model_config import ModelConfig  # it needs torch: only once the config is good
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
         settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings,

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from tp_engine import cli
-from tp_engine.lifeline import stop_early
+from tp_engine.frontend.lifeline import stop_early
 
 USAGE = "tp-generate [launcher options] --config FILE [--set KEY=VALUE ...] [--print-config] [--quiet]"
 DESCRIPTION = """\

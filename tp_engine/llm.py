@@ -14,18 +14,18 @@ import sys
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
-from tp_engine import config as C
+from tp_engine.base import config as C
 from tp_engine import comm as tpd
-from tp_engine.api_args import as_list
-from tp_engine.engine import Engine
-from tp_engine.generation_config import unapplied_warning
-from tp_engine.lifeline import exit_with_launcher
-from tp_engine.prompts import Prompt, PromptEncoder, PromptError
-from tp_engine.reasoning import opens_thinking, split_reasoning, think_tags
-from tp_engine.sampler import SamplingParams
-from tp_engine.scheduler import Request
-from tp_engine.stop_strings import StopStrings
-from tp_engine.token_stream import TextStreams, TokenUpdate
+from tp_engine.base.api_args import as_list
+from tp_engine.runtime.engine import Engine
+from tp_engine.base.generation_config import unapplied_warning
+from tp_engine.frontend.lifeline import exit_with_launcher
+from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
+from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
+from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.scheduler import Request
+from tp_engine.frontend.stop_strings import StopStrings
+from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
 
 log = logging.getLogger("tp_engine")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tp_engine.context import Batch
+from tp_engine.base.batch import Batch
 from tp_engine.kernels import decode_attention
-from tp_engine.kv_cache import page_table
+from tp_engine.attention.kv_cache import page_table
 
 WORKSPACE_BYTES = 512 << 20  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
 # For measuring only (launch/bench.py --no-split-kv, --no-fast-plan): CUDA-graph decode with flashinfer's KV

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tp_engine.context import Batch
-from tp_engine.kv_cache import page_table
+from tp_engine.base.batch import Batch
+from tp_engine.attention.kv_cache import page_table
 
 
 class TorchBackend:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_engine.context import get_context
+from tp_engine.base.batch import get_context
 from tp_engine.comm import all_reduce, gather_to_rank0, get_tp
 from tp_engine.layers.linear import check_shape, matmul
 

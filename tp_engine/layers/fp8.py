@@ -1,4 +1,4 @@
-"""Block-FP8 weights in the tensor-parallel linear layers (checkpoints with quant_method fp8, tp_engine/quant.py).
+"""Block-FP8 weights in the tensor-parallel linear layers (checkpoints with quant_method fp8, tp_engine/checkpoint/quant.py).
 
 A quantized layer keeps its weight shard in float8_e4m3fn and, beside it, the block scales of the rows and
 columns it holds, laid out so that the GPU kernels need one lookup per row and one offset per layer:
@@ -33,7 +33,7 @@ from tp_engine.kernels.fp8 import dequantize
 from tp_engine.kernels.moe_grouped import ExpertScales
 from tp_engine.layers.linear import LinearBase, check_shape
 from tp_engine.layers.moe import FusedMoE
-from tp_engine.quant import BLOCK, FP8, QuantConfig
+from tp_engine.checkpoint.quant import BLOCK, FP8, QuantConfig
 
 log = logging.getLogger("tp_engine")
 

@@ -5,8 +5,8 @@ import torch
 
 from tp_engine.layers.fp8 import finish_loading, quantize_linears
 from tp_engine.layers.linear import weights_on_meta
-from tp_engine.loader import init_dummy, load_checkpoint
-from tp_engine.model_config import ModelConfig
+from tp_engine.checkpoint.loader import init_dummy, load_checkpoint
+from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
 from tp_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tp_engine.model_config import ModelConfig
-from tp_engine.context import get_context
+from tp_engine.checkpoint.model_config import ModelConfig
+from tp_engine.base.batch import get_context
 from tp_engine.kernels import fused_ops
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                               RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tp_engine.layers import FusedMoE, TopKRouter
-from tp_engine.model_config import ModelConfig
+from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 

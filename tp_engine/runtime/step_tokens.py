@@ -8,7 +8,7 @@ import torch
 
 from tp_engine.attention.flashinfer_backend import slot_rows
 from tp_engine.kernels import fused_ops
-from tp_engine.scheduler import Plan, Request
+from tp_engine.runtime.scheduler import Plan, Request
 
 
 @dataclass

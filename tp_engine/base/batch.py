@@ -39,7 +39,7 @@ class Batch:
 @dataclass
 class Context:
     batch: Batch
-    kv_cache: Any  # tp_engine.kv_cache.KVCache
+    kv_cache: Any  # tp_engine.attention.kv_cache.KVCache
     attn: Any  # an attention backend
 
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tp_engine.textio import read_json_object
+from tp_engine.base.textio import read_json_object
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields transformers' generate applies that this engine does not (its logits processors, beam search), with

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tp_engine.config import SCHEMA, ConfigError
-from tp_engine.output_file import SETTINGS_SUFFIX, Span, replace_text, rewrite_lines
-from tp_engine.textio import canonical_json
+from tp_engine.base.config import SCHEMA, ConfigError
+from tp_engine.frontend.output_file import SETTINGS_SUFFIX, Span, replace_text, rewrite_lines
+from tp_engine.base.textio import canonical_json
 
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tp_engine.api_args import as_id, as_ids
-from tp_engine.config import SCHEMA, check_value
+from tp_engine.base.api_args import as_id, as_ids
+from tp_engine.base.config import SCHEMA, check_value
 from tp_engine.kernels.sampling import TOPK_MAX_K
-from tp_engine.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash, top_ids
+from tp_engine.sampling.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash, top_ids
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tp_engine.textio import lone_surrogate
+from tp_engine.base.textio import lone_surrogate
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 30 * 86400

@@ -27,10 +27,10 @@ import torch
 
 from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan
-from tp_engine.context import Batch, forward_context
+from tp_engine.base.batch import Batch, forward_context
 from tp_engine.kernels import decode_attention
-from tp_engine.kv_cache import page_table, pages_for
-from tp_engine.step_tokens import resolve
+from tp_engine.attention.kv_cache import page_table, pages_for
+from tp_engine.runtime.step_tokens import resolve
 
 log = logging.getLogger("tp_engine")
 

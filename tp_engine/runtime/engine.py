@@ -16,19 +16,19 @@ import torch
 
 from tp_engine import comm, kernels
 from tp_engine.attention import check_backend, make_backend
-from tp_engine.config import fingerprint
-from tp_engine.context import Batch, forward_context
-from tp_engine.kv_cache import KVCache
-from tp_engine.memory_plan import gib, graph_oom, num_pages, step_oom
+from tp_engine.base.config import fingerprint
+from tp_engine.base.batch import Batch, forward_context
+from tp_engine.attention.kv_cache import KVCache
+from tp_engine.runtime.memory_plan import gib, graph_oom, num_pages, step_oom
 from tp_engine.kernels import fused_ops
 from tp_engine.layers.fp8 import settle_experts
-from tp_engine.model_config import ModelConfig
+from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models import load_model
-from tp_engine.page_pool import PagePool
-from tp_engine.sampler import request_seed, sample, token_logprobs
-from tp_engine.scheduler import Plan, Request, Scheduler
-from tp_engine.step_message import PageTables, decode_message, on_device, stop_message
-from tp_engine.step_tokens import Issued, add_logprobs, resolve, to_host
+from tp_engine.runtime.page_pool import PagePool
+from tp_engine.sampling.sampler import request_seed, sample, token_logprobs
+from tp_engine.runtime.scheduler import Plan, Request, Scheduler
+from tp_engine.runtime.step_message import PageTables, decode_message, on_device, stop_message
+from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, to_host
 
 log = logging.getLogger("tp_engine")
 
@@ -138,8 +138,8 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         """The decode graphs and the prompt-step pieces; out of memory here is named, with what to lower."""
-        from tp_engine.cuda_graph import GraphRunner
-        from tp_engine.piecewise_graph import piecewise_graphs
+        from tp_engine.runtime.cuda_graph import GraphRunner
+        from tp_engine.runtime.piecewise_graph import piecewise_graphs
         before = torch.cuda.memory_reserved(self.device)
         try:
             self.graphs = GraphRunner(self, min(self.cfg["cuda_graph_max_batch"], self.max_batch))

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from tp_engine.context import Batch
+from tp_engine.base.batch import Batch
 
 STOP, STEP = 0, 1
 HEAD = 6

@@ -24,12 +24,12 @@ import torch
 
 from tp_engine import comm
 from tp_engine.attention import make_backend
-from tp_engine.context import Batch, forward_context
-from tp_engine.cuda_graph import bucket_sizes
+from tp_engine.base.batch import Batch, forward_context
+from tp_engine.runtime.cuda_graph import bucket_sizes
 from tp_engine.kernels import fused_ops
-from tp_engine.kv_cache import KVCache, budget_pages, check_pool, pages_for
-from tp_engine.sampler import SamplingParams, sample, token_logprobs
-from tp_engine.step_message import on_device
+from tp_engine.attention.kv_cache import KVCache, budget_pages, check_pool, pages_for
+from tp_engine.sampling.sampler import SamplingParams, sample, token_logprobs
+from tp_engine.runtime.step_message import on_device
 
 log = logging.getLogger("tp_engine")
 GiB = 2**30

@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from tp_engine import config_checks as checks
-from tp_engine.generation_config import GenerationConfigError, apply_sampling_defaults
-from tp_engine.textio import canonical_json, load_yaml, read_utf8
+from tp_engine.base import config_checks as checks
+from tp_engine.base.generation_config import GenerationConfigError, apply_sampling_defaults
+from tp_engine.base.textio import canonical_json, load_yaml, read_utf8
 
 
 class ConfigError(ValueError):

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tp_engine.textio import read_json_object
+from tp_engine.base.textio import read_json_object
 
-from tp_engine.quant import QuantConfig
+from tp_engine.checkpoint.quant import QuantConfig
 
 
 class ModelError(ValueError):

@@ -30,11 +30,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from tp_engine.kv_cache import pages_for
-from tp_engine.page_pool import PagePool, chain_keys
-from tp_engine.sampler import SamplingParams
-from tp_engine.step_budget import StepBudget
-from tp_engine.step_message import encode_step
+from tp_engine.attention.kv_cache import pages_for
+from tp_engine.runtime.page_pool import PagePool, chain_keys
+from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.step_budget import StepBudget
+from tp_engine.runtime.step_message import encode_step
 
 
 def ref_token(row: int) -> int:

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan, slot_rows
-from tp_engine.context import Batch, forward_context
-from tp_engine.cuda_graph import no_collection
+from tp_engine.base.batch import Batch, forward_context
+from tp_engine.runtime.cuda_graph import no_collection
 from tp_engine.kernels import decode_attention
-from tp_engine.kv_cache import pages_for
+from tp_engine.attention.kv_cache import pages_for
 
 log = logging.getLogger("tp_engine")
 

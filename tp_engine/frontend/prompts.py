@@ -14,9 +14,9 @@ from array import array
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tp_engine.api_args import as_ids, prompt_type_problem
-from tp_engine.config import ConfigError
-from tp_engine.textio import jsonl_lines, lone_surrogate, read_utf8
+from tp_engine.base.api_args import as_ids, prompt_type_problem
+from tp_engine.base.config import ConfigError
+from tp_engine.base.textio import jsonl_lines, lone_surrogate, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
 PROMPT_KEYS = ("prompt", "input_ids", "messages")  # what a prompt object is made of: exactly one of them

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tp_engine.prompts import skipped_ids
+from tp_engine.frontend.prompts import skipped_ids
 
 THINK_START, THINK_END = "<think>", "</think>"
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from tp_engine.config import ConfigError
+from tp_engine.base.config import ConfigError
 
 
 def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> Path:
