@@ -19,7 +19,7 @@ from tp_engine.attention import check_backend, make_backend
 from tp_engine.base.config import fingerprint
 from tp_engine.base.batch import Batch, forward_context
 from tp_engine.attention.kv_cache import KVCache
-from tp_engine.runtime.memory_plan import gib, graph_oom, num_pages, step_oom
+from tp_engine.runtime.memory_plan import gib, graph_oom, is_oom, num_pages, step_oom
 from tp_engine.kernels import fused_ops
 from tp_engine.layers.fp8 import settle_experts
 from tp_engine.checkpoint.model_config import ModelConfig
@@ -146,6 +146,7 @@ class Engine:
             self.pieces = piecewise_graphs(self)
         except torch.cuda.OutOfMemoryError as e:  # this rank leaves at once: the others may wait in a collective
             raise comm.StartupError(graph_oom(self, e)) from None
+        torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the capture stream alone
         self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
         if self.tp.is_first:
             log.info("CUDA graphs hold %s", gib(self.graph_bytes))
@@ -180,7 +181,9 @@ class Engine:
         try:
             with forward_context(batch, self.kv, self.attn):
                 return self.model(batch.input_ids)
-        except torch.cuda.OutOfMemoryError as e:
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError too
+            if not is_oom(e):
+                raise
             raise RuntimeError(step_oom(self, batch, e)) from None
 
     @torch.inference_mode()

@@ -89,7 +89,8 @@ def num_pages(engine, per_page: int, graph_tokens: int, graph_batch: int) -> tup
 
 
 def oom_asked(e: Exception) -> str:
-    """torch's out-of-memory message, its first sentence: how much was asked and what was free."""
+    """torch's out-of-memory message, its first sentence: how much was asked and what was free (a library's
+    message as it is)."""
     return str(e).split(". ")[0].strip()
 
 
@@ -153,9 +154,8 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
 
     attn = None if sampled else backend()  # a graph's pool holds no attention buffers: they are not counted
     torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)  # tensors, not the cache's segments: a segment still held by one
+    torch.cuda.reset_peak_memory_stats(dev)  # small tensor would hide the step's use of its free part
     attn = attn or backend()
     starts = np.cumsum([0] + pages[:-1])
     tables = [np.arange(s, s + p, dtype=np.int32) for s, p in zip(starts, pages)]
@@ -173,7 +173,7 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
         tokens_out = sample(logits, params, list(range(rows)), [0] * rows)
         token_logprobs(logits, tokens_out, 20)
     torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_reserved(dev) - base
+    peak = torch.cuda.max_memory_allocated(dev) - base
     del attn, batch, logits, kv
     torch.cuda.empty_cache()
     return peak
@@ -185,6 +185,11 @@ def graph_oom(engine, e: Exception) -> str:
             f"{cfg['cuda_graph_max_batch']}, cuda_graph_max_tokens {cfg['cuda_graph_max_tokens']}), with the KV "
             f"cache ({gib(engine.kv.data.numel() * engine.kv.data.element_size())}) allocated: {oom_asked(e)}; "
             "lower kv_cache.gpu_memory_utilization or those keys, or set cuda_graph: false")
+
+
+def is_oom(e: Exception) -> bool:
+    """torch's out-of-memory error, or a library's (cuBLAS cannot make its handle or workspace)."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "ALLOC_FAILED" in str(e)
 
 
 def step_oom(engine, batch: Batch, e: Exception) -> str:
