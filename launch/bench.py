@@ -27,8 +27,11 @@ Workloads (comma-separated, or `all`):
               (Qwen3's recommended 20 and 0.95 when both are unset); both figures and their ratio
   n8          --n-prompts prompts (64) x --n-samples samples (8) of --n-new-tokens (512) each, against the
               same number of requests sent as separate prompts; both figures and their ratio
+  soak        --num-requests (100,000) short requests (16-64 prompt tokens, 16-32 new, greedy and
+              sampled, shared prefixes) through one LLM in many generate calls: output tok/s, host RSS,
+              GPU memory and open files per tenth, PASS/FAIL per target on stderr (launch/bench_soak.py)
 
-(shared_prefix, long_prompt, sampling and n8 are not part of `all`.)
+(shared_prefix, long_prompt, sampling, n8 and soak are not part of `all`.)
 The throughput workload samples with --temperature, --top-k and --top-p.
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
@@ -70,6 +73,7 @@ from tp_engine.checkpoint.model_config import ModelConfig  # noqa: E402
 from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
 from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
 from tp_engine.runtime.scheduler import Request  # noqa: E402
+from bench_soak import bench_soak  # noqa: E402
 
 log = logging.getLogger("tp_engine")
 HBM_BYTES_PER_S = 4.2e12  # device-to-device copy measured on the H200 (bytes read + written)
@@ -79,7 +83,9 @@ SHARD_BYTES = 4 << 30
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="directory with config.json (public Qwen3 shapes in configs/models)")
-    p.add_argument("--workload", default="latency", help="latency, throughput, load, sampling, n8 (comma-separated) or all (the first three)")
+    p.add_argument("--workload", default="latency",
+                   help="latency, throughput, load, shared_prefix, long_prompt, sampling, n8, soak "
+                        "(comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
@@ -89,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int,
+                   help="requests (throughput, shared_prefix: 256; soak: 100,000)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
@@ -130,7 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-cap-gib", type=float, default=None,
                    help="cap the allocator at this many GiB (torch.cuda.set_per_process_memory_fraction), e.g. 79.1 "
                         "to run as on an 80 GB H100; the memory plan sizes the KV pool within it")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.soak_requests = args.num_requests or 100_000
+    args.num_requests = args.num_requests or 256
+    return args
 
 
 # ---- utilities ----
@@ -862,8 +872,11 @@ def main(argv=None) -> int:
                 out["checkpoint_write_s"] = round(write_checkpoint(args.model, path, args.seed, fp8), 2)
                 options.update(model=path, load_format="auto")
                 ckpt = ckpt if fp8 else path
-            if args.engine in ("ours", "both"):
+            if args.engine in ("ours", "both") and workloads != {"soak"}:
                 bench_ours(args, cfg_json, options, workloads, world, out, fp8)
+                _checkpoint_results(args, res)
+            if args.engine in ("ours", "both") and "soak" in workloads:  # an LLM of its own, after that one
+                bench_soak(args, options, out)
                 _checkpoint_results(args, res)
         if args.engine in ("hf", "both") and workloads & {"latency", "throughput"}:
             try:
