@@ -62,7 +62,7 @@ def num_pages(engine, per_page: int, graph_tokens: int, graph_batch: int) -> tup
     """The KV pool's pages on this rank, the same on every rank (the smallest), and on CUDA the plan they come
     from; `graph_tokens` and `graph_batch` are the largest prompt-step piece and decode graph the engine will
     capture (0: none)."""
-    cfg, mc = engine.cfg, engine.model_cfg
+    cfg = engine.cfg
     kvc = cfg["kv_cache"]
     plan = None
     if kvc["num_pages"]:
@@ -110,6 +110,9 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
             graphs += profile_step(engine, graph_tokens, 1, sampled=False)
         if graph_batch:  # the decode graphs: their largest batch, and the logits every graph keeps
             graphs += profile_step(engine, graph_batch, graph_batch, sampled=False)
+            variants = 2 if fused_ops(dev) is not None else 1  # flashinfer's and the decode kernel's graphs
+            itemsize = torch.empty((), dtype=engine.dtype).element_size()
+            graphs += variants * sum(bucket_sizes(graph_batch)) * engine.model_cfg.vocab_size * itemsize
     except torch.cuda.OutOfMemoryError as e:  # a rank leaves at once: the others may wait in a collective
         free = torch.cuda.mem_get_info(dev)[0]
         raise comm.StartupError(
@@ -118,9 +121,6 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
             f"{cfg['cuda_graph_max_tokens']}, cuda_graph_max_batch {cfg['cuda_graph_max_batch']}), with the "
             f"weights ({gib(engine.weight_bytes())}) loaded and {gib(free)} free: {oom_asked(e)}; lower those "
             "keys, or use more ranks or FP8 weights") from None
-        variants = 2 if fused_ops(dev) is not None else 1  # flashinfer's and the decode kernel's graphs
-        itemsize = torch.empty((), dtype=engine.dtype).element_size()
-        graphs += variants * sum(bucket_sizes(graph_batch)) * engine.model_cfg.vocab_size * itemsize
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     reserved = torch.cuda.memory_reserved(dev)
@@ -145,12 +145,12 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
     lens = [1] * (rows - 1) + [tokens - rows + 1]
     pages = [pages_for(n, S) for n in lens]
     kv = KVCache(mc.num_layers, sum(pages), S, engine.kv_heads_local, mc.head_dim, engine.dtype, dev)
-    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    qkv, scratch_pages = engine.model.model.layers[0].self_attn.qkv_proj, kv.num_pages
 
     def backend():
         return make_backend(engine.cfg["attention_backend"], dev, num_heads=qkv.q_heads,
                             num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=S, dtype=engine.dtype,
-                            max_batch=rows, num_pages=kv.num_pages)
+                            max_batch=rows, num_pages=scratch_pages)
 
     attn = None if sampled else backend()  # a graph's pool holds no attention buffers: they are not counted
     torch.cuda.synchronize(dev)
