@@ -379,13 +379,14 @@ def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
 
 def on_call(target: str, rank: str, call: int, action: str) -> str:
     """A CLI script that runs `action` (lines of Python) on rank `rank` at the `call`-th call of `target`
-    (module.Class.method in tp_engine), before the call itself; str.format fills {root} and the action's fields."""
-    module, cls, method = target.split(".")
+    (package.module.Class.method in tp_engine), before the call itself; str.format fills {root} and the action's
+    fields."""
+    package, module, cls, method = target.split(".")
     body = textwrap.indent(textwrap.dedent(action).strip(), " " * 12)
     return f"""
 import os, sys, time
 sys.path.insert(0, {{root!r}})
-from tp_engine import {module}
+from tp_engine.{package} import {module}
 if os.environ["RANK"] == "{rank}":
     real, calls = {module}.{cls}.{method}, [0]
     def patched(self, *args):
@@ -400,7 +401,7 @@ sys.exit(main())
 
 
 # rank 1 stops taking part at its 150th step; rank 0 blocks in its next collective
-STUCK = on_call("engine.Engine.forward", "1", 150, 'open({marker!r}, "w").close()\ntime.sleep(600)')
+STUCK = on_call("runtime.engine.Engine.forward", "1", 150, 'open({marker!r}, "w").close()\ntime.sleep(600)')
 
 
 def test_sigterm_ends_a_rank_blocked_in_a_collective(ckpt, tmp_path):
@@ -445,7 +446,7 @@ def run_patched(cfg, tmp_path, source: str, limit: float, **fields) -> tuple[int
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
     cfg, out = long_job(ckpt, tmp_path)
-    faulty = on_call("engine.Engine.forward", rank, 150, 'raise RuntimeError("injected fault")')
+    faulty = on_call("runtime.engine.Engine.forward", rank, 150, 'raise RuntimeError("injected fault")')
     code, err = run_patched(cfg, tmp_path, faulty, 60)
     assert code != 0
     assert f"error: rank {rank}: RuntimeError: injected fault" in err
@@ -489,7 +490,7 @@ def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_p
 
 
 # rank 0 busy between two steps: rank 1 waits for the step message
-SLOW_RANK_0 = on_call("scheduler.Scheduler.issue", "0", 5, "time.sleep(60)")
+SLOW_RANK_0 = on_call("runtime.scheduler.Scheduler.issue", "0", 5, "time.sleep(60)")
 
 
 def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):
@@ -502,7 +503,7 @@ def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt
 
 
 # rank 0 stops before a step's forward: rank 1, which has the step, waits in the first all-reduce
-STALLED_RANK_0 = on_call("engine.Engine.forward", "0", 150, "time.sleep(60)")
+STALLED_RANK_0 = on_call("runtime.engine.Engine.forward", "0", 150, "time.sleep(60)")
 
 
 def test_rank_waiting_past_timeout_s_in_a_collective_says_so_in_one_line(ckpt, tmp_path):
