@@ -72,7 +72,7 @@ from tp_engine.runtime.engine import Engine  # noqa: E402
 from tp_engine.checkpoint.model_config import ModelConfig  # noqa: E402
 from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
 from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
-from tp_engine.runtime.scheduler import Request  # noqa: E402
+from tp_engine.runtime.request import RequestOutput  # noqa: E402
 from bench_soak import bench_soak  # noqa: E402
 
 log = logging.getLogger("tp_engine")
@@ -310,7 +310,7 @@ def hash_name(name: str) -> int:
     return h
 
 
-def run_requests(engine: Engine, requests: list[Request], on_token=None, on_finish=None) -> None:
+def run_requests(engine: Engine, requests: list[RequestOutput], on_token=None, on_finish=None) -> None:
     """Rank 0 runs the requests; the other ranks follow its steps."""
     if engine.tp.is_first:
         engine.run(requests, on_token, on_finish)
@@ -350,7 +350,8 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
             times.append(time.perf_counter())
             if on_token is not None:
                 on_token(r)
-        req = Request(0, list(prompt), SamplingParams(max_new_tokens=n_new, ignore_eos=True, seed=args.seed))
+        req = RequestOutput(0, list(prompt),
+                            SamplingParams(max_new_tokens=n_new, ignore_eos=True, seed=args.seed))
         run_requests(engine, [req], tok)
         return times
 
@@ -442,11 +443,13 @@ class HostTimers:
     def __init__(self, engine: Engine) -> None:
         import tp_engine.runtime.engine as E
         from tp_engine.runtime.scheduler import Scheduler
+        from tp_engine.runtime.step_message import StepMessage
 
         self.t: dict[str, float] = {}
         self.patches = []
         for owner, name, label in ((E.comm, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
-                                   (Scheduler, "schedule", "schedule"), (Scheduler, "issue", "encode"),
+                                   (Scheduler, "schedule", "schedule"), (E, "step_message", "message"),
+                                   (StepMessage, "encode", "encode"), (Scheduler, "commit", "commit"),
                                    (Scheduler, "update", "update"), (engine, "forward", "forward_launch"),
                                    (engine, "share_tokens", "sample_and_share"),
                                    (engine, "take_tokens", "wait_gpu_and_update")):
@@ -482,7 +485,8 @@ def host_profile(engine: Engine, args, res: dict) -> None:
     timers = HostTimers(engine)
     try:
         t0 = time.perf_counter()
-        req = Request(0, list(prompt), SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed))
+        req = RequestOutput(0, list(prompt),
+                            SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed))
         run_requests(engine, [req])
         wall = time.perf_counter() - t0
     finally:
@@ -502,8 +506,9 @@ def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", t
     top_p = args.top_p if top_p is None else top_p
 
     def make(specs, base):
-        return [Request(base + k, list(ids), SamplingParams(temperature=args.temperature, top_k=top_k, top_p=top_p,
-                                                            max_new_tokens=o, ignore_eos=True, seed=args.seed))
+        return [RequestOutput(base + k, list(ids),
+                              SamplingParams(temperature=args.temperature, top_k=top_k, top_p=top_p,
+                                             max_new_tokens=o, ignore_eos=True, seed=args.seed))
                 for k, (ids, o) in enumerate(specs)]
 
     warm = throughput_requests(args, vocab, 32, args.seed + 1)
@@ -544,12 +549,13 @@ def bench_shared_prefix(engine: Engine, args, res: dict) -> None:
     """The same requests with the prefix cache off, then on; the cache is emptied before each run."""
     vocab, pool = engine.model_cfg.vocab_size, engine.pool  # the pool is rank 0's; the others follow
 
-    def make(base: int, n: int) -> list[Request]:
+    def make(base: int, n: int) -> list[RequestOutput]:
         rng = random.Random(args.seed + 7)
         prefix = random_ids(rng, args.prefix_len, vocab)
-        return [Request(base + k, prefix + random_ids(rng, rng.randint(args.suffix_min, args.suffix_max), vocab),
-                        SamplingParams(temperature=args.temperature, max_new_tokens=args.shared_new_tokens,
-                                       ignore_eos=True, seed=args.seed)) for k in range(n)]
+        return [RequestOutput(base + k,
+                              prefix + random_ids(rng, rng.randint(args.suffix_min, args.suffix_max), vocab),
+                              SamplingParams(temperature=args.temperature, ignore_eos=True, seed=args.seed,
+                                             max_new_tokens=args.shared_new_tokens)) for k in range(n)]
 
     run_requests(engine, make(10_000, 8))  # warm-up
     out = {}
@@ -585,7 +591,7 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
     vocab, cfg = engine.model_cfg.vocab_size, dict(engine.cfg)
     chunk, cost = args.long_chunk, cfg["max_prefill_cost_while_decoding"]
     warm = random_ids(random.Random(args.seed), min(args.long_len, 2048), vocab)
-    run_requests(engine, [Request(0, warm, SamplingParams(max_new_tokens=4, ignore_eos=True))])
+    run_requests(engine, [RequestOutput(0, warm, SamplingParams(max_new_tokens=4, ignore_eos=True))])
     out = {}
     costs = [cost] + [c for c in args.long_costs if c != cost]
     modes = [("chunked", chunk, cost, None)] + [(f"cost_{c}", chunk, c, None) for c in costs[1:]] + \
@@ -597,11 +603,12 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
         engine.cfg["max_prefill_tokens"], engine.cfg["max_prefill_cost_while_decoding"] = budget, bound
         empty_prefix_cache(engine)  # every run computes the long prompt
         rng = random.Random(args.seed + 11)
-        decoders = [Request(k, random_ids(rng, args.prompt_len, vocab),
-                            SamplingParams(temperature=args.temperature, max_new_tokens=args.long_decode_tokens,
-                                           ignore_eos=True, seed=args.seed)) for k in range(args.long_decoders)]
-        long = Request(args.long_decoders, random_ids(rng, args.long_len, vocab),
-                       SamplingParams(max_new_tokens=4, ignore_eos=True))
+        decoding = SamplingParams(temperature=args.temperature, max_new_tokens=args.long_decode_tokens,
+                                  ignore_eos=True, seed=args.seed)
+        decoders = [RequestOutput(k, random_ids(rng, args.prompt_len, vocab), decoding)
+                    for k in range(args.long_decoders)]
+        long = RequestOutput(args.long_decoders, random_ids(rng, args.long_len, vocab),
+                             SamplingParams(max_new_tokens=4, ignore_eos=True))
         times: dict[int, list[float]] = {r.index: [] for r in decoders}
         arrived, answered, scheds = [], [], []
         new_scheduler = engine.new_scheduler
@@ -665,11 +672,12 @@ def bench_n_samples(engine: Engine, args, res: dict) -> None:
                               max_new_tokens=args.n_new_tokens, ignore_eos=True, seed=args.seed)
 
     prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.n_prompts)]
-    runs = {"n_samples": [Request(i, list(p), params(), sample=j) for i, p in enumerate(prompts)
+    runs = {"n_samples": [RequestOutput(i, list(p), params(), sample=j) for i, p in enumerate(prompts)
                           for j in range(args.n_samples)],
-            "separate_prompts": [Request(k, random_ids(rng, args.prompt_len, vocab), params()) for k in range(count)]}
-    run_requests(engine, [Request(10_000 + k, list(p[:64]), SamplingParams(max_new_tokens=16, ignore_eos=True))
-                          for k, p in enumerate(prompts[:8])])  # warm-up
+            "separate_prompts": [RequestOutput(k, random_ids(rng, args.prompt_len, vocab), params())
+                                 for k in range(count)]}
+    warm = SamplingParams(max_new_tokens=16, ignore_eos=True)  # a warm-up run first
+    run_requests(engine, [RequestOutput(10_000 + k, list(p[:64]), warm) for k, p in enumerate(prompts[:8])])
     out: dict = {}
     for name, reqs in runs.items():
         empty_prefix_cache(engine)  # the warm-up used the prompts' first tokens

@@ -131,12 +131,12 @@ def test_token_update_text_holds_back_a_possible_stop_and_unfinished_characters(
     """The text grows by whole characters; at each step it holds back the longest end that a stop string
     starts with (and nothing else), and the text of an earlier update read late is still that update's."""
     from tp_engine.sampling.sampler import SamplingParams
-    from tp_engine.runtime.scheduler import Request
+    from tp_engine.runtime.request import RequestOutput
     from tp_engine.frontend.token_stream import TextStreams
     words = {1: "by", 2: " her", 3: " sis", 4: "ter", 5: "\ufffd", 6: "é"}
     decode = lambda ids: "".join(words[i] for i in ids).replace("\ufffdé", "é")
     texts = TextStreams(decode, [" sister", "r!"])
-    req = Request(0, [1], SamplingParams())
+    req = RequestOutput(0, [1], SamplingParams())
     seen, shown = [], []
     for t in [1, 2, 5, 6, 3]:
         req.output_ids.append(t)
@@ -153,7 +153,7 @@ def test_token_update_text_decodes_a_bounded_tail_of_a_long_output():
     """Each update decodes the ids after a settled point, not the whole output: a long output costs the same
     per token however far it has grown."""
     from tp_engine.sampling.sampler import SamplingParams
-    from tp_engine.runtime.scheduler import Request
+    from tp_engine.runtime.request import RequestOutput
     from tp_engine.frontend.token_stream import TextStreams
     table = {1: "a", 2: " b", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
     decoded = []
@@ -162,7 +162,7 @@ def test_token_update_text_decodes_a_bounded_tail_of_a_long_output():
         decoded.append(len(ids))
         return "".join(table[i] for i in ids).replace("\ufffdé", "é")
     texts = TextStreams(decode, ["zz"])
-    req = Request(0, [1], SamplingParams())
+    req = RequestOutput(0, [1], SamplingParams())
     for i in range(3000):
         req.output_ids.append([1, 2, 3, 4][i % 4])
         text = texts.update(req, None).text

@@ -86,14 +86,14 @@ def test_streamer_writes_deltas_of_whole_characters():
     import io
     from tp_engine.frontend.progress import Streamer
     from tp_engine.sampling.sampler import SamplingParams
-    from tp_engine.runtime.scheduler import Request
+    from tp_engine.runtime.request import RequestOutput
     from tp_engine.frontend.token_stream import TextStreams
     table = {1: "Hel", 2: "lo", 3: "\ufffd", 4: "é"}  # 3 then 4: a character split across two tokens
     texts = TextStreams(lambda ids: "".join(table[i] for i in ids).replace("\ufffdé", "é"), [])
     out = io.StringIO()
     writes = []
     out.write = lambda s: writes.append(s)
-    streamer, req = Streamer(out), Request(0, [1], SamplingParams())
+    streamer, req = Streamer(out), RequestOutput(0, [1], SamplingParams())
     for t in [1, 2, 3, 4]:
         req.output_ids.append(t)
         update = texts.update(req, "length" if t == 4 else None)

@@ -490,7 +490,7 @@ def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_p
 
 
 # rank 0 busy between two steps: rank 1 waits for the step message
-SLOW_RANK_0 = on_call("runtime.scheduler.Scheduler.issue", "0", 5, "time.sleep(60)")
+SLOW_RANK_0 = on_call("runtime.scheduler.Scheduler.commit", "0", 5, "time.sleep(60)")
 
 
 def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):

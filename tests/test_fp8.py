@@ -137,11 +137,12 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
             n, k = layer.weight.shape
             scale = layer.weight_scale_inv[layer.scale_row.long()].repeat_interleave(128, 1)[:, q.k_shift:q.k_shift + k]
             if name in ("down", "o"):
-                start, cols, _ = layer.col_range()
-                want = torch.cat([d for _, d in dense[name]])[:, start:start + cols]
+                cols = layer.col_range()
+                want = torch.cat([d for _, d in dense[name]])[:, cols.start:cols.start + cols.cols]
             else:
                 parts = layer.row_parts()
-                want = torch.cat([d[parts[sid][2]:parts[sid][2] + parts[sid][1]] for sid, d in dense[name]])
+                want = torch.cat([d[parts[sid].start:parts[sid].start + parts[sid].rows]
+                                  for sid, d in dense[name]])
             assert torch.equal((layer.weight.float() * scale), want), (name, rank, world)
             finish_loading(layer)
             assert layer.quant is None and layer.weight.dtype == torch.float32

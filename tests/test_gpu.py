@@ -172,6 +172,7 @@ def test_fused_gate_up_silu_matches_the_torch_mlp():
     are the same, the sums run in another order); the timed choice too, and in a CUDA graph."""
     from tp_engine.kernels import mlp, select
     from tp_engine.layers.fp8 import ScaleLayout
+    from tp_engine.layers.linear import ColRange, RowPart
 
     select(DEV, "on", fp8=True)
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -182,7 +183,7 @@ def test_fused_gate_up_silu_matches_the_torch_mlp():
     for i, k in ((3072, 1024), (12288, 4096)):
         x = torch.randn(1, k, device=DEV, generator=g).to(BF16)
         w = (torch.randn(2 * i, k, device=DEV, generator=g) * 0.03).to(BF16)
-        lay = ScaleLayout({0: (0, i, 0, i), 1: (i, i, 0, i)}, (0, k, k))
+        lay = ScaleLayout({0: RowPart(0, i, 0, i), 1: RowPart(i, i, 0, i)}, ColRange(0, k, k))
         w8 = (torch.randn(2 * i, k, device=DEV, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
         s8 = torch.rand(lay.rows, lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
         fp8 = (s8, lay.scale_row.to(DEV), lay.row_align, False)

@@ -192,11 +192,13 @@ def test_fused_moe_fp8_experts_match_their_dequantized_values(n):
     from tp_engine.kernels import moe
     from tp_engine.kernels.moe_grouped import ExpertScales
     from tp_engine.layers.fp8 import ScaleLayout
+    from tp_engine.layers.linear import ColRange, RowPart
     from tp_engine.layers.moe import experts_reference
 
     E, H, full, r, inner = 128, 2048, 768, 1, 192
-    gu_lay = ScaleLayout({"gate": (0, inner, r * inner, full), "up": (inner, inner, r * inner, full)}, (0, H, H))
-    dn_lay = ScaleLayout({"down": (0, H, 0, H)}, (r * inner, inner, full))
+    gu_lay = ScaleLayout({"gate": RowPart(0, inner, r * inner, full),
+                          "up": RowPart(inner, inner, r * inner, full)}, ColRange(0, H, H))
+    dn_lay = ScaleLayout({"down": RowPart(0, H, 0, H)}, ColRange(r * inner, inner, full))
     assert dn_lay.k_shift == 64 and gu_lay.row_align == 64
     g = torch.Generator(device=DEV).manual_seed(1)
     fp8 = torch.float8_e4m3fn

@@ -753,12 +753,12 @@ def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
 def test_streamed_text_stops_before_a_stop_string():
     """What the command line streams (a TokenUpdate's text) never shows a stop string, and at the end is cut
     at the earliest one."""
-    from tp_engine.runtime.scheduler import Request
+    from tp_engine.runtime.request import RequestOutput
     from tp_engine.sampling.sampler import SamplingParams
     from tp_engine.frontend.token_stream import TextStreams
 
     def shown(decode, stop, ids, final_text=None):
-        texts, req = TextStreams(decode, stop), Request(0, [1], SamplingParams())
+        texts, req = TextStreams(decode, stop), RequestOutput(0, [1], SamplingParams())
         out = []
         for n, t in enumerate(ids, 1):
             req.output_ids.append(t)
@@ -838,8 +838,8 @@ def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
 
 def _request(output_ids: list[int]):
     from tp_engine.sampling.sampler import SamplingParams
-    from tp_engine.runtime.scheduler import Request
-    return Request(0, [1], SamplingParams(), output_ids=output_ids)
+    from tp_engine.runtime.request import RequestOutput
+    return RequestOutput(0, [1], SamplingParams(), output_ids=output_ids)
 
 
 def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:

@@ -17,6 +17,7 @@ import triton_interpreter  # noqa: F401  (its fixes of the interpreter)
 
 from tp_engine.kernels import mlp
 from tp_engine.layers.fp8 import ScaleLayout
+from tp_engine.layers.linear import ColRange, RowPart
 
 
 def torch_mlp(x, w):  # models/qwen3.Qwen3MLP without the fused kernels
@@ -48,7 +49,7 @@ for dt in (torch.float32, torch.bfloat16):
 # block-FP8: rank 1 of 2 of a 320-row gate and up (each rank's part starts 32 rows into a block), 200 columns
 FULL, H, r = 320, 200, 1
 n = FULL // 2
-lay = ScaleLayout({0: (0, n, r * n, FULL), 1: (n, n, r * n, FULL)}, (0, H, H))
+lay = ScaleLayout({0: RowPart(0, n, r * n, FULL), 1: RowPart(n, n, r * n, FULL)}, ColRange(0, H, H))
 assert lay.row_align == 32 and lay.k_shift == 0
 w = (torch.randn(2 * n, H) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
 scale = torch.rand(lay.rows, lay.col_blocks[1]) / 600 + 1e-4

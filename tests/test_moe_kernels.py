@@ -90,11 +90,13 @@ FP8_EXPERTS = r'''
 # down columns start 32 into a block; every path against the reference on the dequantized experts
 from tp_engine.kernels.moe_grouped import ExpertScales
 from tp_engine.layers.fp8 import ScaleLayout
+from tp_engine.layers.linear import ColRange, RowPart
 
 E, H, FULL, r = 8, 200, 320, 1
 I = FULL // 2
-gu_lay = ScaleLayout({"gate": (0, I, r * I, FULL), "up": (I, I, r * I, FULL)}, (0, H, H))
-dn_lay = ScaleLayout({"down": (0, H, 0, H)}, (r * I, I, FULL))
+gu_lay = ScaleLayout({"gate": RowPart(0, I, r * I, FULL), "up": RowPart(I, I, r * I, FULL)},
+                     ColRange(0, H, H))
+dn_lay = ScaleLayout({"down": RowPart(0, H, 0, H)}, ColRange(r * I, I, FULL))
 assert dn_lay.k_shift == 32 and gu_lay.row_align == 32
 fp8 = torch.float8_e4m3fn
 gu_w = (torch.randn(E, 2 * I, H) * 60).clamp(-448, 448).to(fp8)

@@ -8,8 +8,10 @@ import torch
 from tp_engine.attention.kv_cache import page_table
 from tp_engine.runtime.page_pool import ROOT_KEY, PagePool, page_key
 from tp_engine.sampling.sampler import SamplingParams
-from tp_engine.runtime.scheduler import Request, Scheduler
+from tp_engine.runtime.request import RequestOutput
+from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.step_message import PageTables, decode_message
+from tp_engine.runtime.step_plan import step_message
 
 V, EOS, S = 61, 7, 4
 CPU = torch.device("cpu")
@@ -70,6 +72,13 @@ def test_disabled_cache_never_hits():
     assert pool.free == [3, 2, 1, 0] and not pool.key_of
 
 
+def issue(sched: Scheduler, plan) -> torch.Tensor:
+    """What Engine.issue does on the host: the plan's message, and the step counted as issued."""
+    msg = step_message(plan, sched.page_size).encode()
+    sched.commit(plan)
+    return msg
+
+
 def model(context: list[int]) -> int:
     """A stand-in model whose next token depends on every token of its context and on their order."""
     return (sum((j + 1) * t for j, t in enumerate(context)) * 31 + len(context)) % V
@@ -97,17 +106,19 @@ def drive(num_pages: int, max_prefill: int, cache: bool, max_batch: int = 8, poo
     pool = pool or PagePool(num_pages, S, cache)
     sched = Scheduler(pool, max_batch, max_prefill, num_pages * S, (EOS,))
     tables = PageTables()
-    reqs = [Request(i, p, SamplingParams(max_new_tokens=5 + 2 * i, ignore_eos=i % 2 == 0)) for i, p in enumerate(PROMPTS)]
+    reqs = [RequestOutput(i, p, SamplingParams(max_new_tokens=5 + 2 * i, ignore_eos=i % 2 == 0))
+            for i, p in enumerate(PROMPTS)]
     for r in reqs:
         sched.add(r)
     kv = np.full((num_pages + 1) * S, -1, dtype=np.int64)
     last = [0] * max_batch
-    inflight, sizes = None, []
+    inflight, sizes, states = None, [], {}
     while sched.has_work():
         plan = sched.schedule()
+        states.update((id(r), r) for r in plan.reqs)
         issued = None
         if plan.reqs:
-            msg = sched.issue(plan)
+            msg = issue(sched, plan)
             sizes.append((msg.numel(), plan))
             batch = decode_message(msg, tables)
             for r, t in zip(plan.reqs, batch.page_tables):  # the tables every rank holds are rank 0's
@@ -127,7 +138,7 @@ def drive(num_pages: int, max_prefill: int, cache: bool, max_batch: int = 8, poo
         inflight = issued
     if inflight is not None:
         sched.update(*inflight)
-    assert all(r.pending == 0 and not r.pages for r in reqs)
+    assert len(states) == len(reqs) and all(r.pending == 0 and not r.pages for r in states.values())
     assert pool.num_free == num_pages and not any(pool.refs)  # every reference returned
     return reqs, sched, sizes
 
@@ -144,34 +155,33 @@ def test_shared_pages_and_chunks_read_the_right_context(num_pages, max_prefill, 
     if num_pages == 12:
         assert sched.num_preempted > 0
     if max_prefill < 10:
-        assert any(not all(plan.samples) for _, plan in sizes)  # prompts were split
+        assert any(not all(plan.sampled) for _, plan in sizes)  # prompts were split
 
 
 def test_same_step_requests_share_pages_and_last_page_is_private():
     pool = PagePool(32, S)
     sched = Scheduler(pool, 8, 64, 128, ())
-    a, b, c = (Request(i, p, SamplingParams(max_new_tokens=3)) for i, p in
+    a, b, c = (sched.add(RequestOutput(i, p, SamplingParams(max_new_tokens=3))) for i, p in
                enumerate([PREFIX + [10], PREFIX, PREFIX + [10]]))
-    for r in (a, b, c):
-        sched.add(r)
     plan = sched.schedule()
     assert plan.reqs == [a, b, c]
     assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]  # b's last token lives in its own page
     assert c.pages[:3] == a.pages[:3] and c.pages[3] != a.pages[3]
-    assert plan.lens == [13, 4, 1] and [b.cached_prompt_tokens, c.cached_prompt_tokens] == [8, 12]
+    assert plan.lens == [13, 4, 1] and [b.out.cached_prompt_tokens, c.out.cached_prompt_tokens] == [8, 12]
     assert pool.refs[a.pages[0]] == 3 and pool.refs[a.pages[2]] == 2
 
 
 def decode_message_sizes(context: int) -> list[int]:
     pool = PagePool(400, S, prefix_cache=False)
     sched = Scheduler(pool, 8, 4096, 1600, ())
-    reqs = [Request(i, [1 + i] * context, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(3)]
+    reqs = [RequestOutput(i, [1 + i] * context, SamplingParams(max_new_tokens=40, ignore_eos=True))
+            for i in range(3)]
     for r in reqs:
         sched.add(r)
     tables, sizes = PageTables(), []
     while sched.has_work():
         plan = sched.schedule()
-        msg = sched.issue(plan)
+        msg = issue(sched, plan)
         decode_message(msg, tables)
         if not plan.is_prefill:
             sizes.append(msg.numel())

@@ -41,7 +41,7 @@ def generate(llm, prompts=PROMPTS):
 def record_plans(llm) -> list:
     plans = []
     issue = llm.engine.issue
-    llm.engine.issue = lambda sched, plan: plans.append((list(plan.lens), list(plan.samples), plan.is_prefill)) \
+    llm.engine.issue = lambda sched, plan: plans.append((list(plan.lens), plan.sampled[:], plan.is_prefill)) \
         or issue(sched, plan)
     return plans
 
@@ -121,21 +121,23 @@ def test_blocked_request_hashes_its_pages_once(monkeypatch):
     admission attempt."""
     import tp_engine.runtime.page_pool as pp
     from tp_engine.runtime.page_pool import PagePool
-    from tp_engine.runtime.scheduler import Request, Scheduler
+    from tp_engine.runtime.request import RequestOutput
+    from tp_engine.runtime.scheduler import Scheduler
 
     calls = []
     real = pp.page_key
     monkeypatch.setattr(pp, "page_key", lambda parent, tokens: calls.append(1) or real(parent, tokens))
     sched = Scheduler(PagePool(14, 4), 8, 64, 64, (0,))
     first = list(range(1, 33))
-    sched.add(Request(0, first, SamplingParams(max_new_tokens=8, ignore_eos=True)))  # 8 pages
+    sched.add(RequestOutput(0, first, SamplingParams(max_new_tokens=8, ignore_eos=True)))  # 8 pages
     # its 8 pages and 6 more: they find the 8 but wait for the 6
-    sched.add(Request(1, first + list(range(100, 124)), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    second = first + list(range(100, 124))
+    sched.add(RequestOutput(1, second, SamplingParams(max_new_tokens=4, ignore_eos=True)))
     for _ in range(6):
         plan = sched.schedule()
-        sched.issue(plan)
+        sched.commit(plan)
         sched.update(plan, [5] * len(plan.reqs))
-    assert [r.index for r in sched.waiting] == [1]  # still waiting after six attempts
+    assert [r.out.index for r in sched.waiting] == [1]  # still waiting after six attempts
     # request 0's full pages (its prompt's 8 and the one it decoded), request 1's 8 hits and the miss: once
     assert len(calls) == 9 + 9
 
@@ -175,7 +177,7 @@ def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
 
     def record(sched, plan):
         chunks.extend((r.num_cached, n) for r, n in zip(plan.reqs, plan.lens)
-                      if r.index == 2 and r.num_cached < len(long) and len(plan.reqs) > 1)
+                      if r.out.index == 2 and r.num_cached < len(long) and len(plan.reqs) > 1)
         return issue(sched, plan)
 
     llm.engine.issue = record

@@ -5,8 +5,10 @@ import torch
 
 from tp_engine.sampling.sampler import SamplingParams
 from tp_engine.runtime.page_pool import PagePool
-from tp_engine.runtime.scheduler import Request, Scheduler
+from tp_engine.runtime.request import RequestOutput, RequestState
+from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.step_message import PageTables, decode_message
+from tp_engine.runtime.step_plan import step_message
 
 V, EOS = 50, 7
 
@@ -17,13 +19,20 @@ def next_token(token: int, position: int) -> int:
     return (token * 31 + position * 7 + 5) % V
 
 
-def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -> tuple[list[Request], int]:
+def issue(sched: Scheduler, plan) -> torch.Tensor:
+    """What Engine.issue does on the host: the plan's message, and the step counted as issued."""
+    msg = step_message(plan, sched.page_size).encode()
+    sched.commit(plan)
+    return msg
+
+
+def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -> tuple[list, int]:
     sched = Scheduler(PagePool(num_pages, 4), max_batch, 64, num_pages * 4, (EOS,))
     tables = PageTables()
     prompts = [[1, 2, 3], [4] * 9, [9, 8], [11, 12, 13, 14, 15, 16], [20]]
-    reqs = [Request(i, p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=i % 2 == 0))
+    reqs = [RequestOutput(i, p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=i % 2 == 0))
             for i, p in enumerate(prompts)]
-    made = []
+    made, states = [], {}  # the scheduler's state of each request, as the plans show them
 
     def source():
         for r in reqs:
@@ -40,9 +49,10 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -
         if fed:  # made, not finished: those running, and at most a batch of waiting ones
             assert len([r for r in made if r.finish_reason is None]) <= 2 * max_batch
         plan = sched.schedule()
+        states.update((id(r), r) for r in plan.reqs)
         issued = None
         if plan.reqs:
-            batch = decode_message(sched.issue(plan), tables)
+            batch = decode_message(issue(sched, plan), tables)
             ids = [t if t >= 0 else device_tokens[-1 - t] for t in batch.input_ids.tolist()]
             pos = batch.positions.tolist()
             rows = batch.last_indices.tolist()
@@ -56,7 +66,7 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -
         if inflight is not None:
             sched.update(*inflight)
         inflight = issued
-    assert all(r.pending == 0 and not r.pages for r in reqs)
+    assert len(states) == len(reqs) and all(r.pending == 0 and not r.pages for r in states.values())
     assert sched.pool.num_free == num_pages
     return reqs, sched.num_preempted
 
@@ -88,13 +98,13 @@ def test_requests_fed_as_room_comes_run_as_if_all_were_added(num_pages):
 def test_length_limit_is_not_overrun():
     """A request whose in-flight token is its last is left out of the next step."""
     sched = Scheduler(PagePool(16, 4), 4, 64, 64, ())
-    r = Request(0, [1, 2], SamplingParams(max_new_tokens=2))
-    sched.add(r)
+    r = RequestOutput(0, [1, 2], SamplingParams(max_new_tokens=2))
+    state = sched.add(r)
     first = sched.schedule()
-    sched.issue(first)  # prefill: samples output token 1
+    issue(sched, first)  # prefill: samples output token 1
     second = sched.schedule()
-    assert second.reqs == [r]
-    sched.issue(second)  # samples output token 2, the last
+    assert second.reqs == [state]
+    issue(sched, second)  # samples output token 2, the last
     assert sched.schedule().reqs == []  # nothing to issue until those tokens are read
     sched.update(first, [5])
     sched.update(second, [6])
@@ -170,9 +180,9 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
     outputs = {}
     for bound in (0, cost):
         sched = Scheduler(PagePool(64, 4), 8, 64, 256, (EOS,), decode_cost=bound, attention_span=span)
-        reqs = [Request(0, [3, 4], SamplingParams(max_new_tokens=40, ignore_eos=True)),
-                Request(1, [5] * 2, SamplingParams(max_new_tokens=40, ignore_eos=True)),
-                Request(2, list(range(1, 60)), SamplingParams(max_new_tokens=4, ignore_eos=True))]
+        reqs = [RequestOutput(0, [3, 4], SamplingParams(max_new_tokens=40, ignore_eos=True)),
+                RequestOutput(1, [5] * 2, SamplingParams(max_new_tokens=40, ignore_eos=True)),
+                RequestOutput(2, list(range(1, 60)), SamplingParams(max_new_tokens=4, ignore_eos=True))]
         for r in reqs[:2]:
             sched.add(r)
         mixed = steps = 0
@@ -188,8 +198,8 @@ def test_prompt_work_beside_decode_rows_stays_within_the_cost_bound(cost):
             if bound and any(decode) and prompt:
                 mixed += 1
                 assert spent <= bound or prompt[0][1] == 1, (prompt, spent)
-            sched.issue(plan)
-            sched.update(plan, [next_token((r.output_ids or r.prompt_ids)[-1], s + n - 1)
+            issue(sched, plan)
+            sched.update(plan, [next_token((r.out.output_ids or r.out.prompt_ids)[-1], s + n - 1)
                                 for r, s, n in zip(plan.reqs, starts, plan.lens)])
         outputs[bound] = [r.output_ids for r in reqs]
         if bound:
@@ -219,11 +229,11 @@ def test_a_long_request_computes_each_page_key_once_in_all(monkeypatch):
             yield key
     monkeypatch.setattr(scheduler, "chain_keys", counting)
     sched = Scheduler(PagePool(600, 4), 4, 8, 600 * 4, (EOS,))  # a 400-token prompt in 50 chunks
-    req = Request(0, list(range(1, 401)), SamplingParams(max_new_tokens=800, ignore_eos=True))
+    req = RequestOutput(0, list(range(1, 401)), SamplingParams(max_new_tokens=800, ignore_eos=True))
     sched.add(req)
     while sched.has_work():
         plan = sched.schedule()
-        sched.issue(plan)
+        issue(sched, plan)
         sched.update(plan, [3] * len(plan.reqs))
     pages = len(req.prompt_ids + req.output_ids) // 4
     assert len(req.output_ids) == 800 and walked[0] <= 2 * pages, (walked[0], pages)
@@ -233,5 +243,6 @@ def test_requests_are_equal_only_to_themselves():
     """Finding a finished request among the running ones compared every field of each (a dataclass's __eq__):
     O(batch) tuple builds per request, which dominated steps at batch 4096."""
     p = SamplingParams()
-    a, b = Request(0, [1, 2], p), Request(0, [1, 2], p)
-    assert a == a and a != b and [b].count(a) == 0
+    outs = [RequestOutput(0, [1, 2], p) for _ in range(2)]
+    for a, b in (outs, [RequestState(out, 0) for out in outs]):
+        assert a == a and a != b and [b].count(a) == 0

@@ -23,7 +23,7 @@ from tp_engine.frontend.lifeline import exit_with_launcher
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
-from tp_engine.runtime.scheduler import Request
+from tp_engine.runtime.request import RequestOutput
 from tp_engine.frontend.stop_strings import StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
 
@@ -158,14 +158,14 @@ class LLM:
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 
-        def finish(req: Request) -> None:
+        def finish(req: RequestOutput) -> None:
             out = self.output(req, self.cfg["chat"] or req.index in chats)
             if return_outputs:
                 outputs[req.index, req.sample] = out
             if on_finish is not None:
                 on_finish(out)
 
-        def requests() -> Iterator[Request]:
+        def requests() -> Iterator[RequestOutput]:
             """Made as the scheduler has room for them: a finished one is then dropped, not kept to the end."""
             for i, prompt in enumerate(prompts):
                 samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
@@ -175,14 +175,14 @@ class LLM:
                 error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
                 for j in samples:
-                    req = Request(i, ids, params, sample=j)
+                    req = RequestOutput(i, ids, params, sample=j)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
                         finish(req)
                     else:
                         yield req
 
-        def check_token(req: Request) -> bool:
+        def check_token(req: RequestOutput) -> bool:
             hit = stops is not None and stops.hit(req)
             if on_token is not None:
                 on_token(texts.update(req, "stop" if hit else req.finish_reason))
@@ -212,7 +212,7 @@ class LLM:
                     f"KV pool {self.engine.kv.num_pages * self.engine.kv.page_size} tokens)")
         return None
 
-    def output(self, req: Request, chat: bool = False) -> dict:
+    def output(self, req: RequestOutput, chat: bool = False) -> dict:
         """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
         output may hold a think block to split off as `reasoning`)."""
         out = {"index": req.index, "sample": req.sample, "prompt_token_ids": list(req.prompt_ids),  # its own list

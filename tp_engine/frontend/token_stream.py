@@ -23,16 +23,16 @@ class TokenUpdate:
     num_tokens: int  # output tokens so far, this one included
     finish_reason: str | None  # None while the request runs; "stop" or "length" at its last token
     _texts: TextStreams = field(repr=False, compare=False)
-    _req: Any = field(repr=False, compare=False)
+    _out: Any = field(repr=False, compare=False)  # the request's output (runtime.request.RequestOutput)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         """The output token ids so far (the one that ended the request included)."""
-        return tuple(self._req.output_ids[:self.num_tokens])
+        return tuple(self._out.output_ids[:self.num_tokens])
 
     @property
     def text(self) -> str | None:
-        return self._texts.text(self._req, self.num_tokens, self.finish_reason is not None)
+        return self._texts.text(self._out, self.num_tokens, self.finish_reason is not None)
 
 
 class TextStreams:

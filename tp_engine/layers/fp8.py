@@ -23,6 +23,7 @@ The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per e
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from torch import nn
 from tp_engine.kernels import fused_ops
 from tp_engine.kernels.fp8 import dequantize
 from tp_engine.kernels.moe_grouped import ExpertScales
-from tp_engine.layers.linear import LinearBase, check_shape
+from tp_engine.layers.linear import ColRange, LinearBase, RowPart, check_shape
 from tp_engine.layers.moe import FusedMoE
 from tp_engine.checkpoint.quant import BLOCK, FP8, QuantConfig
 
@@ -47,23 +48,37 @@ def _blocks(start: int, length: int) -> tuple[int, int]:
     return first, (start + length + BLOCK - 1) // BLOCK - first
 
 
+class ScaleRows(NamedTuple):
+    """Where one part's rows of a checkpoint tensor's scale grid go in `weight_scale_inv`."""
+    at: int  # first row of `weight_scale_inv` they fill
+    first: int  # first block row of the grid that the part's rows touch
+    count: int  # block rows they touch
+    grid: int  # the grid's block rows
+
+
+class BlockSpan(NamedTuple):
+    """The block columns of a checkpoint tensor's scale grid that a shard's input columns touch."""
+    first: int
+    count: int
+    grid: int  # the grid's block columns
+
+
 class ScaleLayout:
     """Which block scales one weight shard needs and where each of its elements finds its own (the module
     docstring), from the shard's `row_parts` and `col_range` (layers/linear.py)."""
 
-    def __init__(self, row_parts: dict, col_range: tuple[int, int, int]) -> None:
-        n = sum(length for _, length, _, _ in row_parts.values())
-        self.scale_row = torch.empty(n, dtype=torch.int32)
-        # shard id -> (first row here, first block row of the checkpoint's grid, block rows, the grid's rows)
-        self.parts, self.rows = {}, 0
-        for shard, (offset, length, start, full) in row_parts.items():
-            first, count = _blocks(start, length)
-            self.scale_row[offset:offset + length] = torch.arange(start, start + length) // BLOCK - first + self.rows
-            self.parts[shard] = (self.rows, first, count, -(-full // BLOCK))
+    def __init__(self, row_parts: dict[Any, RowPart], col_range: ColRange) -> None:
+        self.scale_row = torch.empty(sum(part.rows for part in row_parts.values()), dtype=torch.int32)
+        self.parts: dict[Any, ScaleRows] = {}  # shard id -> its rows of the scale grid
+        self.rows = 0
+        for shard, part in row_parts.items():
+            first, count = _blocks(part.start, part.rows)
+            rows = torch.arange(part.start, part.start + part.rows)
+            self.scale_row[part.offset:part.offset + part.rows] = rows // BLOCK - first + self.rows
+            self.parts[shard] = ScaleRows(self.rows, first, count, -(-part.full // BLOCK))
             self.rows += count
-        col_start, cols, full_cols = col_range
-        self.k_shift = col_start % BLOCK
-        self.col_blocks = (*_blocks(col_start, cols), -(-full_cols // BLOCK))  # (first, count, the grid's)
+        self.k_shift = col_range.start % BLOCK
+        self.col_blocks = BlockSpan(*_blocks(col_range.start, col_range.cols), -(-col_range.full // BLOCK))
         # The largest power of two (up to 128) at whose multiples alone the scale row changes: row tiles of
         # that height share one scale row, which the GEMV exploits.
         changes = (self.scale_row[1:] != self.scale_row[:-1]).nonzero().flatten() + 1
@@ -73,15 +88,15 @@ class ScaleLayout:
                 self.row_align //= 2
 
     def empty(self, *lead: int, device: torch.device) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*lead, self.rows, self.col_blocks[1], dtype=torch.float32, device=device),
-                            requires_grad=False)
+        return nn.Parameter(torch.empty(*lead, self.rows, self.col_blocks.count, dtype=torch.float32,
+                                        device=device), requires_grad=False)
 
     def load(self, dst: torch.Tensor, src, shard_id) -> None:
         """This shard's rows and columns of a checkpoint tensor's scale grid [ceil(N/128), ceil(K/128)]."""
-        rows, first, count, grid_rows = self.parts[shard_id]
-        col_first, col_count, grid_cols = self.col_blocks
-        check_shape(src, (grid_rows, grid_cols))
-        dst.narrow(0, rows, count).copy_(src.narrow(0, first, count).narrow(1, col_first, col_count))
+        rows, cols = self.parts[shard_id], self.col_blocks
+        check_shape(src, (rows.grid, cols.grid))
+        part = src.narrow(0, rows.first, rows.count).narrow(1, cols.first, cols.count)
+        dst.narrow(0, rows.at, rows.count).copy_(part)
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(weight, scale, self.scale_row.to(weight.device), self.k_shift, dtype)
@@ -152,9 +167,10 @@ class Fp8Experts:
     def __init__(self, moe: FusedMoE, device: torch.device | None = None) -> None:
         n, hidden, inter, r = moe.inter, moe.hidden, moe.full_inter, moe.tp.rank
         self.dtype, device = moe.gate_up_proj.dtype, device or moe.gate_up_proj.device
-        self.layouts = {"gate_up_proj": ScaleLayout({"gate": (0, n, r * n, inter), "up": (n, n, r * n, inter)},
-                                                    (0, hidden, hidden)),
-                        "down_proj": ScaleLayout({"down": (0, hidden, 0, hidden)}, (r * n, n, inter))}
+        gate_up = {"gate": RowPart(0, n, r * n, inter), "up": RowPart(n, n, r * n, inter)}
+        down = {"down": RowPart(0, hidden, 0, hidden)}
+        self.layouts = {"gate_up_proj": ScaleLayout(gate_up, ColRange(0, hidden, hidden)),
+                        "down_proj": ScaleLayout(down, ColRange(r * n, n, inter))}
         for name, layout in self.layouts.items():
             weight = _fp8_param(getattr(moe, name), device)
             setattr(moe, name, weight)

@@ -7,7 +7,7 @@ and does its one collective (if any) in `forward`.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,21 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def check_shape(src, expected: tuple[int, ...]) -> None:
     if tuple(src.shape) != tuple(expected):
         raise ValueError(f"expected shape {list(expected)}, checkpoint has {list(src.shape)}")
+
+
+class RowPart(NamedTuple):
+    """Where this rank's output rows of one checkpoint tensor sit (a fused layer holds several tensors)."""
+    offset: int  # first row of the part in this rank's weight
+    rows: int  # rows this rank holds
+    start: int  # the first of them in the checkpoint tensor
+    full: int  # the checkpoint tensor's rows
+
+
+class ColRange(NamedTuple):
+    """This rank's input columns of a checkpoint tensor."""
+    start: int  # first column in the checkpoint tensor
+    cols: int  # columns this rank holds
+    full: int  # the checkpoint tensor's columns
 
 
 _ON_META = [False]  # see weights_on_meta
@@ -74,17 +89,16 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
         raise NotImplementedError
 
-    def row_parts(self) -> dict:
-        """shard id -> (first local row, rows, first row in the checkpoint tensor, the tensor's rows): where
-        this rank's output rows of each checkpoint tensor sit. Unsplit here; column-parallel layers split."""
+    def row_parts(self) -> dict[Any, RowPart]:
+        """Shard id -> where this rank's output rows of that checkpoint tensor sit. Unsplit here;
+        column-parallel layers split."""
         n = self.weight.shape[0]
-        return {None: (0, n, 0, n)}
+        return {None: RowPart(0, n, 0, n)}
 
-    def col_range(self) -> tuple[int, int, int]:
-        """(first column in the checkpoint tensor, columns, the tensor's columns) of this rank's input
-        columns. Unsplit here; row-parallel layers split."""
+    def col_range(self) -> ColRange:
+        """This rank's input columns. Unsplit here; row-parallel layers split."""
         k = self.weight.shape[1]
-        return 0, k, k
+        return ColRange(0, k, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return matmul(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
@@ -99,14 +113,14 @@ class ColumnParallelLinear(LinearBase):
         self.full_out = out_features
         super().__init__(in_features, out_features // tp.size, bias)
 
-    def row_parts(self) -> dict:
+    def row_parts(self) -> dict[Any, RowPart]:
         n = self.full_out // self.tp.size
-        return {None: (0, n, self.tp.rank * n, self.full_out)}
+        return {None: RowPart(0, n, self.tp.rank * n, self.full_out)}
 
     def weight_loader(self, param, src, shard_id=None) -> None:
-        offset, n, start, full = self.row_parts()[shard_id]
-        check_shape(src, (full, *param.shape[1:]))
-        param.data.narrow(0, offset, n).copy_(src.narrow(0, start, n))
+        part = self.row_parts()[shard_id]
+        check_shape(src, (part.full, *param.shape[1:]))
+        param.data.narrow(0, part.offset, part.rows).copy_(src.narrow(0, part.start, part.rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -128,11 +142,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         fp8 = None if q is None else (self.weight_scale_inv, self.scale_row, q.row_align, q.w8a8)
         return ops.gate_up_silu(x, self.weight, fp8)
 
-    def row_parts(self) -> dict:
+    def row_parts(self) -> dict[Any, RowPart]:
         tp, parts, offset = self.tp, {}, 0
         for i, full in enumerate(self.out_sizes):
             n = full // tp.size
-            parts[i] = (offset, n, tp.rank * n, full)
+            parts[i] = RowPart(offset, n, tp.rank * n, full)
             offset += n
         return parts
 
@@ -155,11 +169,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         local = (self.q_heads + 2 * self.kv_heads) * head_dim
         LinearBase.__init__(self, hidden, local, bias)
 
-    def row_parts(self) -> dict:
+    def row_parts(self) -> dict[Any, RowPart]:
         d, q, kv = self.head_dim, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q": (0, q, self.tp.rank * q, self.out_sizes[0]),
-                "k": (q, kv, self.kv_start * d, self.out_sizes[1]),
-                "v": (q + kv, kv, self.kv_start * d, self.out_sizes[2])}
+        return {"q": RowPart(0, q, self.tp.rank * q, self.out_sizes[0]),
+                "k": RowPart(q, kv, self.kv_start * d, self.out_sizes[1]),
+                "v": RowPart(q + kv, kv, self.kv_start * d, self.out_sizes[2])}
 
 
 class RowParallelLinear(LinearBase):
@@ -177,14 +191,14 @@ class RowParallelLinear(LinearBase):
         if bias:
             self.bias.weight_loader = self.bias_loader
 
-    def col_range(self) -> tuple[int, int, int]:
+    def col_range(self) -> ColRange:
         n = self.full_in // self.tp.size
-        return self.tp.rank * n, n, self.full_in
+        return ColRange(self.tp.rank * n, n, self.full_in)
 
     def weight_loader(self, param, src, shard_id=None) -> None:
-        start, n, full = self.col_range()
-        check_shape(src, (param.shape[0], full))
-        param.data.copy_(src.narrow(1, start, n))
+        cols = self.col_range()
+        check_shape(src, (param.shape[0], cols.full))
+        param.data.copy_(src.narrow(1, cols.start, cols.cols))
 
     def bias_loader(self, param, src, shard_id=None) -> None:
         check_shape(src, tuple(param.shape))

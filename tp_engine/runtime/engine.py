@@ -25,10 +25,12 @@ from tp_engine.layers.fp8 import settle_experts
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models import load_model
 from tp_engine.runtime.page_pool import PagePool
-from tp_engine.sampling.sampler import request_seed, sample, token_logprobs
-from tp_engine.runtime.scheduler import Plan, Request, Scheduler
+from tp_engine.sampling.sampler import sample, token_logprobs
+from tp_engine.runtime.request import RequestOutput
+from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.step_message import PageTables, decode_message, on_device, stop_message
-from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, to_host
+from tp_engine.runtime.step_plan import Plan, step_message
+from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, sampling_inputs, to_host
 
 log = logging.getLogger("tp_engine")
 
@@ -231,8 +233,8 @@ class Engine:
                          self.model_cfg.eos_token_ids, self.cfg["max_prefill_cost_while_decoding"],
                          self.model_cfg.attention_span)
 
-    def run(self, requests: Iterable[Request], on_token: Callable[[Request], bool] | None = None,
-            on_finish: Callable[[Request], None] | None = None) -> None:
+    def run(self, requests: Iterable[RequestOutput], on_token: Callable[[RequestOutput], bool] | None = None,
+            on_finish: Callable[[RequestOutput], None] | None = None) -> None:
         """Rank 0: generate for all requests, calling `on_finish` as each completes; then release the others.
         The scheduler takes `requests` as it has room for them: a generator makes each only then.
 
@@ -246,11 +248,10 @@ class Engine:
                 plan = sched.schedule()
                 if not plan.reqs and inflight is None:
                     raise RuntimeError("scheduler found no step to run")  # a bug, not a user error: never spin
+                issued = None
                 if plan.reqs:
                     with self._shared_step():
                         issued = self.issue(sched, plan)
-                else:
-                    issued = None
                 if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
                     self.take_tokens(sched, inflight, on_token, on_finish)
                 inflight = issued
@@ -271,30 +272,29 @@ class Engine:
     def issue(self, sched: Scheduler, plan: Plan) -> Issued:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
         returns without waiting for the GPU."""
-        reqs = plan.reqs
-        seeds = [request_seed(self.cfg["seed"] if r.params.seed is None else r.params.seed, r.index, r.sample)
-                 for r in reqs]  # params that name no seed: the config's
-        steps = [r.num_outputs for r in reqs]  # the output index each request samples now
-        batch = decode_message(comm.broadcast_ints(sched.issue(plan), self.tp), self.tables)
-        logits = self.forward(batch)[: len(reqs)]
-        sampled = sample(logits, [r.params for r in reqs], seeds, steps)
-        k = max(r.params.logprobs for r in reqs)
+        params, seeds, steps = sampling_inputs(plan, self.cfg["seed"])  # before commit counts its tokens
+        message = step_message(plan, sched.page_size)
+        sched.commit(plan)  # from here the scheduler counts the step as issued
+        batch = decode_message(comm.broadcast_ints(message.encode(), self.tp), self.tables)
+        logits = self.forward(batch)[: len(params)]
+        sampled = sample(logits, params, seeds, steps)
+        k = max(p.logprobs for p in params)
         logprobs = token_logprobs(logits, sampled, k) if k else ()  # before temperature and filters
-        self.share_tokens(sampled, len(reqs))
+        self.share_tokens(sampled, len(params))
         return to_host(plan, sampled, logprobs)  # not last_tokens, which the next step overwrites
 
-    def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[Request], bool] | None,
-                    on_finish: Callable[[Request], None] | None) -> None:
-        """Wait for an issued step's tokens and hand them to the scheduler and the callbacks."""
+    def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[RequestOutput], bool] | None,
+                    on_finish: Callable[[RequestOutput], None] | None) -> None:
+        """Wait for a step's tokens; give them to the scheduler, the requests' outputs to the callbacks."""
         if step.done is not None:
             step.done.synchronize()
         got, done = sched.update(step.plan, step.tokens.tolist())
         add_logprobs(step, got)
         if on_token is not None:
-            hit = [r for r in got if on_token(r)]
+            hit = [r for r in got if on_token(r.out)]
             for r in hit:  # a stop string wins over the length limit reached on the same token
-                r.finish_reason = "stop"
+                r.out.finish_reason = "stop"
             done += sched.retire([r for r in hit if r not in done])
         for r in done:
             if on_finish is not None:
-                on_finish(r)
+                on_finish(r.out)

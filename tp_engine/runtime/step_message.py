@@ -13,7 +13,7 @@ new_lens(B), slots(B), keep(B), appended(B), dropped slots(D), appended pages(P)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -61,35 +61,63 @@ class PageTables:
         return self._arrays[slot][:self._lens[slot]]
 
 
-def encode_step(is_prefill: bool, ids: list[int], pos: list[int], loc: list[int], seq: list[int],
-                ext: list[int], slots: list[int], keep: list[int], appended: list[Sequence[int]],
-                dropped: list[int]) -> torch.Tensor:
-    new = [p for pages in appended for p in pages]
-    head = [STEP, int(is_prefill), len(seq), len(ids), len(dropped), len(new)]
-    return torch.tensor(head + ids + pos + loc + seq + ext + slots + keep + [len(a) for a in appended]
-                        + dropped + new, dtype=torch.int64)
+@dataclass
+class StepMessage:
+    """One step as every rank runs it: the token rows (N), the requests' rows (B) and the page-table changes.
+    Rank 0 builds it from lists (step_plan.step_message); `decode` gives the token rows as int64 tensors
+    (views of the message) and each row's appended pages as an int32 array."""
+    is_prefill: bool  # a prompt row is in the step
+    ids: list[int] | torch.Tensor  # [N] input token ids; negative: the last step's (step_plan.ref_token)
+    positions: list[int] | torch.Tensor  # [N]
+    kv_slots: list[int] | torch.Tensor  # [N] where each token's K/V goes: page * page_size + offset
+    seq_lens: list[int]  # [B] each row's KV length after the step
+    new_lens: list[int]  # [B] each row's tokens in the step
+    slots: list[int]  # [B] each row's page table (PageTables)
+    keep: list[int]  # [B] pages of that table that stay
+    appended: list[Sequence[int]]  # [B] pages appended to it after those
+    dropped: list[int]  # [D] tables deleted first: requests finished or preempted since the last message
+
+    def encode(self) -> torch.Tensor:
+        """The int64 message (module docstring); the token rows must be lists here."""
+        pages = [p for a in self.appended for p in a]
+        head = [STEP, int(self.is_prefill), len(self.seq_lens), len(self.ids), len(self.dropped), len(pages)]
+        return torch.tensor(head + self.ids + self.positions + self.kv_slots + self.seq_lens + self.new_lens
+                            + self.slots + self.keep + [len(a) for a in self.appended] + self.dropped + pages,
+                            dtype=torch.int64)
+
+    @staticmethod
+    def decode(msg: torch.Tensor) -> StepMessage | None:
+        """The inverse of `encode` (None for STOP): O(B + D + P) values become Python ints, no token row."""
+        cmd, is_prefill, B, N, D, P = msg[:HEAD].tolist()
+        if cmd == STOP:
+            return None
+        vals = msg[HEAD:]
+        rest = vals[3 * N:].tolist()  # no page already sent is sent again
+        seq, new_lens, slots, keep, counts = (rest[i * B:(i + 1) * B] for i in range(5))
+        pages = np.asarray(rest[5 * B + D:], dtype=np.int32)
+        appended, o = [], 0
+        for n in counts:
+            appended.append(pages[o:o + n])
+            o += n
+        return StepMessage(bool(is_prefill), vals[:N], vals[N:2 * N], vals[2 * N:3 * N], seq, new_lens, slots,
+                           keep, appended, rest[5 * B:5 * B + D])
+
+    def to_batch(self, tables: PageTables) -> Batch:
+        """Apply the page-table changes to `tables` and return the step's Batch, its token rows on the host
+        (`on_device` moves them; a CUDA-graph step copies them into the graph's inputs). Run on a decoded
+        message, on every rank."""
+        for s in self.dropped:
+            tables.drop(s)
+        page_tables = [tables.update(s, k, a) for s, k, a in zip(self.slots, self.keep, self.appended)]
+        last = torch.from_numpy(np.cumsum(self.new_lens, dtype=np.int64) - 1)
+        return Batch(self.is_prefill, self.ids, self.positions, self.kv_slots, self.seq_lens, self.new_lens,
+                     page_tables, last)
 
 
 def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
-    """The inverse of `encode_step`, run on every rank: updates `tables`, returns the step's Batch with its token
-    rows on the host (`on_device` moves them; a CUDA-graph step copies them into the graph's inputs); None for
-    STOP."""
-    cmd, is_prefill, B, N, D, P = msg[:HEAD].tolist()
-    if cmd == STOP:
-        return None
-    vals = msg[HEAD:]
-    rest = vals[3 * N:].tolist()  # O(B + D + P): no page already sent is sent again
-    seq, ext, slots, keep, nnew = (rest[i * B:(i + 1) * B] for i in range(5))
-    dropped = rest[5 * B:5 * B + D]
-    new = np.asarray(rest[5 * B + D:], dtype=np.int32)
-    for s in dropped:
-        tables.drop(s)
-    page_tables, o = [], 0
-    for s, k, n in zip(slots, keep, nnew):
-        page_tables.append(tables.update(s, k, new[o:o + n]))
-        o += n
-    last = torch.from_numpy(np.cumsum(ext, dtype=np.int64) - 1)
-    return Batch(bool(is_prefill), vals[:N], vals[N:2 * N], vals[2 * N:3 * N], seq, ext, page_tables, last)
+    """The step's Batch of a message (`StepMessage.decode`, then `to_batch`); None for STOP."""
+    step = StepMessage.decode(msg)
+    return None if step is None else step.to_batch(tables)
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:

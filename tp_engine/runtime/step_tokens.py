@@ -1,5 +1,5 @@
-"""A step's sampled tokens (and log-probabilities) on their way to rank 0's host, and back into the requests; on
-the device, into the next step's input ids."""
+"""A step's sampled tokens: what the sampler needs of each row; the tokens (and log-probabilities) on their
+way to rank 0's host, and back into the requests; on the device, into the next step's input ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,9 @@ import torch
 
 from tp_engine.attention.flashinfer_backend import slot_rows
 from tp_engine.kernels import fused_ops
-from tp_engine.runtime.scheduler import Plan, Request
+from tp_engine.runtime.request import RequestState
+from tp_engine.runtime.step_plan import Plan
+from tp_engine.sampling.sampler import SamplingParams, request_seed
 
 
 @dataclass
@@ -20,8 +22,18 @@ class Issued:
     logprobs: tuple[torch.Tensor, ...] = ()  # sampler.token_logprobs on the host, when a request asked for them
 
 
+def sampling_inputs(plan: Plan, seed: int) -> tuple[list[SamplingParams], list[int], list[int]]:
+    """Each row's sampling parameters, seed (`seed`, the config's, where its parameters name none) and step
+    (the output index it samples now: read before `Scheduler.commit` counts the step's tokens as pending)."""
+    outs = [r.out for r in plan.reqs]
+    params = [o.params for o in outs]
+    seeds = [request_seed(seed if p.seed is None else p.seed, o.index, o.sample)
+             for o, p in zip(outs, params)]
+    return params, seeds, [r.num_outputs for r in plan.reqs]
+
+
 def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
-    """Replace each reference to the previous step's tokens (`scheduler.ref_token`: -1 - row) by last[row], in
+    """Replace each reference to the previous step's tokens (`step_plan.ref_token`: -1 - row) by last[row], in
     place. slots, (out_loc, page_size, k_rows, v_rows): also each token's K/V cache rows (slot_rows); with the
     fused kernels, both in one launch (a decode graph's first)."""
     ops = fused_ops(ids.device)
@@ -61,7 +73,7 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def add_logprobs(step: Issued, got: list[Request]) -> None:
+def add_logprobs(step: Issued, got: list[RequestState]) -> None:
     """Append one logprobs entry to each request that took a token from this step (a request that had already
     finished drops its token, and so its entry: the list stays aligned with output_ids)."""
     if not step.logprobs:
@@ -69,7 +81,8 @@ def add_logprobs(step: Issued, got: list[Request]) -> None:
     chosen, top_ids, top_vals = (t.tolist() for t in step.logprobs)
     took = {id(r) for r in got}
     for row, r in enumerate(step.plan.reqs):
-        k = r.params.logprobs
+        out = r.out
+        k = out.params.logprobs
         if k and id(r) in took:
-            r.logprobs.append({"token": r.output_ids[-1], "logprob": chosen[row],
-                               "top": [[i, v] for i, v in zip(top_ids[row][:k], top_vals[row][:k])]})
+            out.logprobs.append({"token": out.output_ids[-1], "logprob": chosen[row],
+                                 "top": [[i, v] for i, v in zip(top_ids[row][:k], top_vals[row][:k])]})
