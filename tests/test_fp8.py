@@ -387,17 +387,17 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
     layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's values."""
-    from tp_engine.runtime import engine as engine_module
+    from tp_engine import models as models_module
     from tp_engine.llm import LLM
     mixed = tmp_path / "mixed"
     quantize_checkpoint(str(ckpts["src"]), str(mixed), modules_to_not_convert=("model.layers.0.mlp",))
-    seen, quantize_linears = [], engine_module.quantize_linears
+    seen, quantize_linears = [], models_module.quantize_linears
 
     def spy(model, *args):
         seen.append({n: p.device.type for n, p in model.named_parameters() if n.endswith("proj.weight")})
         quantize_linears(model, *args)
 
-    monkeypatch.setattr(engine_module, "quantize_linears", spy)
+    monkeypatch.setattr(models_module, "quantize_linears", spy)
     llm = LLM(model=str(mixed), device="cpu", sampling={"max_new_tokens": 4})
     assert len(seen[0]) == 2 * 4 and set(seen[0].values()) == {"meta"}, seen  # 2 layers x qkv, o, gate_up, down
     params = dict(llm.engine.model.named_parameters())

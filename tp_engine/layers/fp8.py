@@ -198,7 +198,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool, device: t
     """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device` (default:
     where each weight is), except what quantization_config's modules_to_not_convert names (checkpoint names: a
     fused layer, or a MoE layer's experts, is skipped when all its parts are). Weights built on the meta device
-    (`weights_on_meta`) that stay unquantized are then allocated on `device`."""
+    (`weight_param`) that stay unquantized are then allocated on `device`."""
     packed = getattr(model, "packed_modules", {})
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # one matmul of all its experts' projections, named alike

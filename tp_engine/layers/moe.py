@@ -49,11 +49,12 @@ class FusedMoE(nn.Module):
     expert e's [gate_r | up_r] rows, `down_proj` [E, hidden, I/tp] its columns of down.
 
     Checkpoint tensors are per expert (`{e}.gate_proj.weight`, ...; `checkpoint_parts` tells the loader),
-    and reach `weight_loader` with shard id (e, "gate" | "up" | "down").
+    and reach `weight_loader` with shard id (e, "gate" | "up" | "down"). weight_device: as LinearBase's.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 weight_device: str | None = None) -> None:
         super().__init__()
         self.tp = get_tp()
         assert intermediate % self.tp.size == 0, \
@@ -61,8 +62,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden, self.full_inter = num_experts, hidden, intermediate
         self.scales = None  # block scales when the experts stay in fp8 (layers/fp8.py)
         self.inter = n = intermediate // self.tp.size
-        self.gate_up_proj = weight_param(num_experts, 2 * n, hidden)
-        self.down_proj = weight_param(num_experts, hidden, n)
+        self.gate_up_proj = weight_param(num_experts, 2 * n, hidden, device=weight_device)
+        self.down_proj = weight_param(num_experts, hidden, n, device=weight_device)
         gate, up, down = names
         experts = range(num_experts)
         self.gate_up_proj.checkpoint_parts = [(f"{e}.{name}.weight", (e, part)) for e in experts

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from tp_engine.layers.fp8 import finish_loading, quantize_linears
-from tp_engine.layers.linear import weights_on_meta
 from tp_engine.checkpoint.loader import init_dummy, load_checkpoint
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models.qwen3 import Qwen3ForCausalLM
@@ -12,7 +11,8 @@ from tp_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 def build_model(cfg: ModelConfig) -> Qwen3ForCausalLM:
-    """The model `cfg` describes, sharded for this rank (on the default device and dtype)."""
+    """The model `cfg` describes, sharded for this rank (on the default device and dtype; a block-FP8 model's
+    linear weights as meta placeholders: qwen3.weight_device)."""
     return Qwen3MoeForCausalLM(cfg) if cfg.moe is not None else Qwen3ForCausalLM(cfg)
 
 
@@ -20,8 +20,8 @@ def load_model(mc: ModelConfig, cfg: dict, dtype: torch.dtype, device: torch.dev
     """The model built on `device` and its weights loaded: this rank's shards from `cfg["model"]`, or random ones
     with `load_format: dummy`."""
     torch.set_default_dtype(dtype)
-    try:  # block-FP8: the linear weights never exist in the compute dtype (weights_on_meta)
-        with torch.device(device), weights_on_meta(mc.quant is not None):
+    try:  # block-FP8: the linear weights never exist in the compute dtype (qwen3.weight_device)
+        with torch.device(device):
             model = build_model(mc)
     finally:
         torch.set_default_dtype(torch.float32)

@@ -11,13 +11,21 @@ from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVPar
                               RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 
 
+def weight_device(cfg: ModelConfig) -> str | None:
+    """Where the linear layers' and experts' weights are built: as placeholders on the meta device in a
+    block-FP8 model (layers/fp8.quantize_linears then gives them fp8 storage), else on the default device."""
+    return "meta" if cfg.quant is not None else None
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer_id, self.rotary, d = layer_id, rotary, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
+        self.layer_id, self.rotary, d, wd = layer_id, rotary, cfg.head_dim, weight_device(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, weight_device=wd)
         # partial sums: the post-attention norm all-reduces them (fused with its residual add and norm)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, reduce=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, reduce=False,
+                                        weight_device=wd)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)  # per-head norms on Q and K, before RoPE
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, d
@@ -41,8 +49,11 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False)  # as o_proj
+        wd = weight_device(cfg)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       weight_device=wd)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False,
+                                           weight_device=wd)  # partial sums, as o_proj's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = fused_ops(x.device)
