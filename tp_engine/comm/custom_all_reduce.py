@@ -152,13 +152,13 @@ def _check(fast, tp: TPGroup, dtype: torch.dtype) -> bool:
     return ok and fast.failure() is None
 
 
-def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto", timeout_s: float = 300.0,
-                           max_bytes: int = 512 << 10) -> str:
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, fused: bool, choice: str = "auto",
+                           timeout_s: float = 300.0, max_bytes: int = 512 << 10) -> str:
     """Collective: set up the all-reduce for small messages on `tp`; returns the kind every rank uses.
 
     `choice` (config key advanced.all_reduce): `push` (comm/push_all_reduce.py; needs the fused kernels on
-    every rank), `symm` (PyTorch's one-shot all-reduce over symmetric memory), `nccl`, or `auto`: push, else
-    symm, at TP=2, and NCCL above (the push all-reduce is written for any number of ranks and its protocol
+    every rank: `fused` says whether this rank's engine runs them), `symm` (PyTorch's one-shot all-reduce
+    over symmetric memory), `nccl`, or `auto`: push, else symm, at TP=2, and NCCL above (the push all-reduce is written for any number of ranks and its protocol
     is tested for up to 8 on one GPU, but on hardware only two GPUs were available to prove it). A kind that
     fails on any rank falls back to the next, down to NCCL. Only messages up to `max_bytes` (decode batches
     up to 64 at hidden 4096) take it; larger ones stay with NCCL."""
@@ -174,10 +174,8 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto"
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     kinds = ["push", "symm"] if choice in ("auto", "push") else [choice]
     for kind in kinds:
-        if kind == "push":
-            from tp_engine.kernels import fused_ops
-            if not _all_ranks(fused_ops(tp.device) is not None, tp):
-                continue
+        if kind == "push" and not _all_ranks(fused, tp):
+            continue
         fast, ok = _attempt(lambda: ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes, timeout_s), tp, f"{kind} buffers")
         if ok:
             _, ok = _attempt(fast.connect, tp, f"{kind} rendezvous")

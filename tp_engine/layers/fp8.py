@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_engine.kernels import fused_ops
 from tp_engine.kernels.fp8 import dequantize
 from tp_engine.kernels.moe_grouped import ExpertScales
 from tp_engine.layers.linear import LinearBase, check_shape
@@ -125,7 +124,7 @@ class Fp8Weight:
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        ops = fused_ops(x.device)
+        ops = layer.ops
         if ops is not None:
             y = ops.fp8_linear(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.k_shift,
                                self.row_align, self.w8a8, after_norm=layer.follows_norm)

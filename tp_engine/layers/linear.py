@@ -3,6 +3,9 @@ and does its one collective (if any) in `forward`.
 
 `weight_loader(param, src, shard_id)` receives `src`, a lazy view of the full checkpoint tensor with
 `.shape` and `.narrow(dim, start, length)`, so a rank reads only the rows or columns it keeps.
+
+`ops`: the fused kernels the engine chose (kernels.select), set on each layer once after the model is built
+(Qwen3ForCausalLM.bind); None, the default, runs the torch code.
 """
 from __future__ import annotations
 
@@ -11,17 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_engine.comm import all_reduce, get_tp
-from tp_engine.kernels import fused_ops
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           replicated: bool = False) -> torch.Tensor:
-    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (kernels/gemv.py). replicated: the
-    weight is whole on every rank, which must all get the same bits (no kernel chosen by each rank's timing)."""
-    if bias is None and x.is_cuda:
-        ops = fused_ops(x.device)
-        if ops is not None:
-            return ops.linear(x, weight, replicated)
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, replicated: bool = False,
+           ops=None) -> torch.Tensor:
+    """F.linear; with the fused kernels `ops` a batch-1 product may go through a GEMV kernel
+    (kernels/gemv.py). replicated: the weight is whole on every rank, which must all get the same bits (no
+    kernel chosen by each rank's timing)."""
+    if bias is None and ops is not None:
+        return ops.linear(x, weight, replicated)
     return F.linear(x, weight, bias)
 
 
@@ -44,6 +45,7 @@ class LinearBase(nn.Module):
     quant = None
     # A decode step runs a norm right before this matmul: block-FP8 tiles are timed that way (kernels/fp8.py)
     follows_norm = False
+    ops = None  # the engine's fused kernels (module docstring)
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  weight_device: str | None = None) -> None:
@@ -74,7 +76,9 @@ class LinearBase(nn.Module):
         return 0, k, k
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return matmul(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return matmul(x, self.weight, bias, ops=self.ops)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -108,9 +112,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, weight_device)
 
-    def silu_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] layer through the fused kernels `ops` (the MLP on the GPU): at one
         token, matmul and activation in one kernel where that is faster (kernels/mlp.py)."""
+        ops = self.ops
         if self.bias is not None or x.dim() != 2:
             return ops.silu_mul(self(x))
         q = self.quant  # a column-parallel shard starts at column 0: no column shift

@@ -68,8 +68,8 @@ class GraphRunner:
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
-        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.cfg["advanced"]["all_reduce"],
-                                                     engine.cfg["timeout_s"])
+        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.ops is not None,
+                                                     engine.cfg["advanced"]["all_reduce"], engine.cfg["timeout_s"])
 
         # The static inputs, shared by all buckets (a bucket of size b reads the first b rows), in one device
         # buffer that one host copy fills each step: the token rows [ids | positions | KV slots] (int64, 3 x M),
@@ -144,7 +144,7 @@ class GraphRunner:
         bs, batch = key[0], self.batches[key]
         # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused kernels)
         resolve(self.input_ids[:bs], self.engine.last_tokens,
-                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]))
+                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]), self.engine.ops)
         with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
             return self.model(self.input_ids[:bs], fp32=False)
 

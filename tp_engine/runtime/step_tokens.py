@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from tp_engine.attention.flashinfer_backend import slot_rows
-from tp_engine.kernels import fused_ops
 from tp_engine.runtime.scheduler import Plan, Request
 
 
@@ -20,11 +19,10 @@ class Issued:
     logprobs: tuple[torch.Tensor, ...] = ()  # sampler.token_logprobs on the host, when a request asked for them
 
 
-def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
+def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None, ops=None) -> torch.Tensor:
     """Replace each reference to the previous step's tokens (`scheduler.ref_token`: -1 - row) by last[row], in
     place. slots, (out_loc, page_size, k_rows, v_rows): also each token's K/V cache rows (slot_rows); with the
-    fused kernels, both in one launch (a decode graph's first)."""
-    ops = fused_ops(ids.device)
+    engine's fused kernels `ops`, both in one launch (a decode graph's first)."""
     if ops is not None:
         return ops.resolve_tokens(ids, last, slots)
     if slots is not None:
