@@ -802,7 +802,7 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
     res["cuda_graph"] = engine.graphs is not None
     from tp_engine.kernels import fp8 as fp8_kernels, gemv, mlp
     res["fused_triton_kernels"] = engine.ops is not None
-    res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
+    res["all_reduce"] = engine.all_reduce_kind if world > 1 else None
     res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
     if "latency" in workloads:
         bench_latency(engine, args, res)

@@ -221,3 +221,20 @@ def test_forward_context_belongs_to_the_thread_that_set_it():
         t.join()
     assert seen[0] is batches[0] and seen[1] is batches[1]
     assert get_context() is None
+
+
+def test_the_all_reduce_is_set_up_at_start_up_without_cuda_graphs(monkeypatch):
+    """The engine sets up its all-reduce for small messages once at start-up, on its own group, with or
+    without CUDA graphs (the CPU has none: its collectives stay with gloo)."""
+    from tp_engine import comm
+    calls, enable = [], comm.enable_fast_all_reduce
+
+    def spy(tp, dtype, fused, choice="auto", timeout_s=300.0, **kw):
+        calls.append((tp, fused, choice))
+        return enable(tp, dtype, fused, choice, timeout_s, **kw)
+
+    monkeypatch.setattr(comm, "enable_fast_all_reduce", spy)
+    llm = LLM(model=DEMO, device="cpu", cuda_graph=False, advanced={"all_reduce": "push"})
+    assert calls == [(llm.engine.tp, False, "push")]
+    assert llm.engine.all_reduce_kind == "nccl" and llm.engine.tp.fast_all_reduce is None
+    llm.shutdown()

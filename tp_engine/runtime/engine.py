@@ -58,6 +58,9 @@ class Engine:
         self.ops = self._agree_on_kernels(ops)  # this engine's fused kernels, handed to whatever runs them
         self.model.bind(self.ops, fuses_qkv(cfg["attention_backend"], device, self.ops))
         settle_experts(self.model, self.ops is not None)  # FP8 experts: fp8 or dequantized
+        # the all-reduce of small messages on this engine's group, the same with CUDA graphs or without
+        self.all_reduce_kind = comm.enable_fast_all_reduce(self.tp, self.dtype, self.ops is not None,
+                                                           cfg["advanced"]["all_reduce"], cfg["timeout_s"])
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]
