@@ -818,9 +818,9 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
                                   "card_bytes": torch.cuda.mem_get_info()[1]}
     res["kv_cache_tokens_per_rank"] = engine.kv.num_pages * engine.kv.page_size
     res["cuda_graph"] = engine.graphs is not None
-    from tp_engine.kernels import fp8 as fp8_kernels, fused_ops, gemv, mlp
-    res["fused_triton_kernels"] = fused_ops(engine.device) is not None
-    res["all_reduce"] = getattr(engine.graphs, "allreduce", "nccl") if world > 1 else None
+    from tp_engine.kernels import fp8 as fp8_kernels, gemv, mlp
+    res["fused_triton_kernels"] = engine.ops is not None
+    res["all_reduce"] = engine.all_reduce_kind if world > 1 else None
     res["control_channel"] = "shm" if engine.tp.channel is not None else ("gloo" if world > 1 else None)
     if "latency" in workloads:
         bench_latency(engine, args, res)
@@ -836,7 +836,7 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_sampling(engine, args, res)
     if "n8" in workloads:
         bench_n_samples(engine, args, res)
-    if fused_ops(engine.device) is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
+    if engine.ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
         res["mlp_gate_up"] = {"x".join(map(str, k[0])): str(v) for k, v in mlp._CHOICE.items()}  # at one token
         if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket

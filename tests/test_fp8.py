@@ -149,13 +149,11 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
             assert torch.equal(layer.weight.data, want), (name, rank, world)
 
 
-def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm(monkeypatch):
+def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm():
     """A decode step runs a norm right before the Q/K/V projection, so its FP8 kernel is chosen by timing the
     candidates after one (kernels/fp8.py); the O and down projections follow other kernels and are timed alone.
     (Gate/up at one token is chosen in kernels/mlp.py.) Each layer's call says which."""
     from types import SimpleNamespace
-
-    from tp_engine.layers import fp8 as fp8_layers
 
     seen = {}
 
@@ -163,9 +161,9 @@ def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm(mon
         seen[name] = after_norm
         return x.new_zeros(x.shape[0], weight.shape[0])
 
-    monkeypatch.setattr(fp8_layers, "fused_ops", lambda device: SimpleNamespace(fp8_linear=fake_fp8_linear))
     for name, layer in _layers(0, 1).items():
         Fp8Weight(layer, w8a8=False)
+        layer.ops = SimpleNamespace(fp8_linear=fake_fp8_linear)  # what the engine binds on the GPU
         assert layer(torch.randn(1, layer.weight.shape[1])).shape == (1, layer.weight.shape[0])
     assert seen == {"qkv": True, "gate_up": False, "down": False, "o": False}
 
@@ -388,17 +386,17 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
     """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
     fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
     layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's values."""
-    from tp_engine.runtime import engine as engine_module
+    from tp_engine import models as models_module
     from tp_engine.llm import LLM
     mixed = tmp_path / "mixed"
     quantize_checkpoint(str(ckpts["src"]), str(mixed), modules_to_not_convert=("model.layers.0.mlp",))
-    seen, quantize_linears = [], engine_module.quantize_linears
+    seen, quantize_linears = [], models_module.quantize_linears
 
     def spy(model, *args):
         seen.append({n: p.device.type for n, p in model.named_parameters() if n.endswith("proj.weight")})
         quantize_linears(model, *args)
 
-    monkeypatch.setattr(engine_module, "quantize_linears", spy)
+    monkeypatch.setattr(models_module, "quantize_linears", spy)
     llm = LLM(model=str(mixed), device="cpu", sampling={"max_new_tokens": 4})
     assert len(seen[0]) == 2 * 4 and set(seen[0].values()) == {"meta"}, seen  # 2 layers x qkv, o, gate_up, down
     params = dict(llm.engine.model.named_parameters())

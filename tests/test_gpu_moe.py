@@ -121,10 +121,11 @@ def test_fused_moe_in_a_cuda_graph(n):
 def test_router_logits_do_not_depend_on_a_ranks_kernel_timing(monkeypatch):
     """The router is replicated: every rank must route a token alike. At one token its matmul takes one fixed
     GEMV tile, not the kernel each rank's timing picked (here: a rank whose timing chose cuBLAS)."""
-    from tp_engine.kernels import gemv
+    from tp_engine.kernels import gemv, select
     from tp_engine.layers.moe import TopKRouter
 
     router = TopKRouter(2048, 128, 8, True).to(DEV, BF16)
+    router.ops = select(DEV, "on")  # as the engine binds them; a failed self-test is a failure here
     torch.nn.init.normal_(router.weight, std=0.02)
     x = torch.randn(1, 2048, device=DEV, dtype=BF16)
     monkeypatch.setitem(gemv._GEMV_CHOICE, (tuple(router.weight.shape), BF16, DEV.index), "torch")
@@ -167,13 +168,11 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref, monkeypatch):
     assert_parity(hf_moe_ref, PROMPTS, g["padded5"], e["padded5"])
 
 
-def test_experts_without_the_fused_kernels_run_with_cuda_graph_on(moe_ckpt, hf_moe, hf_moe_ref, monkeypatch):
+def test_experts_without_the_fused_kernels_run_with_cuda_graph_on(moe_ckpt, hf_moe, hf_moe_ref):
     """`advanced.fused_kernels: off` (or Triton missing): the torch experts read their token counts on the
     host, which a capture refuses, so start-up used to fail on every rank with cuda_graph on (the default).
     The graphs stay off for such a model, and its tokens follow transformers'."""
     needs_flashinfer()
-    from tp_engine import kernels
-    monkeypatch.setattr(kernels, "_CHOSEN", {})  # the choice of kernels is per process: this test's stays here
     m = llm(moe_ckpt, cuda_graph=True, advanced={"fused_kernels": "off"})
     assert m.engine.graphs is None and m.engine.pieces is None
     ours = generate(m, PARITY_PROMPTS, max_new_tokens=12)

@@ -232,13 +232,14 @@ NCCL_SCRIPT = """
 import os, random, time
 import torch, torch.distributed as dist
 from tp_engine import comm
-from tp_engine.comm.custom_all_reduce import _FAST_AR
-from tp_engine.kernels import norm
+from tp_engine.kernels import norm, select
 
 dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 tp = comm.init_distributed(dev)
-assert comm.enable_fast_all_reduce(tp, torch.bfloat16, timeout_s=60.0) == "push"  # a stuck wait fails within the test
-fast = _FAST_AR[tp.group]
+fused = select(dev, "on") is not None  # the push all-reduce runs where the fused kernels pass their self-test
+# timeout_s: a stuck wait fails within the test
+assert comm.enable_fast_all_reduce(tp, torch.bfloat16, fused, timeout_s=60.0) == "push"
+fast = tp.fast_all_reduce
 g = torch.Generator(device=dev).manual_seed(tp.rank)
 random.seed(1234)  # the same sizes on both ranks
 with torch.inference_mode():
@@ -259,7 +260,7 @@ with torch.inference_mode():
         x = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
         res = torch.randn(rows, 4096, device=dev, generator=g).to(torch.bfloat16)
         w = torch.rand(4096, device=dev, generator=g).to(torch.bfloat16) + 0.5
-        out, new_res = comm.all_reduce_add_rmsnorm(x, res, w, 1e-6)
+        out, new_res = comm.all_reduce_add_rmsnorm(x, res, w, 1e-6, tp)
         ref = x.clone()
         dist.all_reduce(ref, group=tp.group)
         ref_out, ref_res = norm.add_rmsnorm(ref, res, w, 1e-6)

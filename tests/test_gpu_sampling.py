@@ -89,6 +89,9 @@ def test_logprobs_and_samples_at_tp2(tiny_ckpt, hf_ref, tmp_path):
 
 
 def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
+    from tp_engine.kernels import select
+
+    ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
     gen = torch.Generator().manual_seed(3)
     for vocab in (1000, 151936):
         n = 64 if vocab > 10000 else 400
@@ -96,25 +99,28 @@ def test_candidate_draw_equals_the_full_sort_reference_on_cuda():
         params = mixed_params(n, vocab)
         seeds = [request_seed(9, i, i % 4) for i in range(n)]
         steps = [i % 11 for i in range(n)]
-        got = sample(logits, params, seeds, steps)
+        got = sample(logits, params, seeds, steps, ops)
         assert torch.equal(got, reference(logits, params, seeds, steps)), vocab
         # bf16-rounded logits: many exact ties
         tied = logits.to(torch.bfloat16).float()
         want = reference(tied, params, seeds, steps)
-        assert torch.equal(sample(tied, params, seeds, steps), want), vocab
+        assert torch.equal(sample(tied, params, seeds, steps, ops), want), vocab
         # bf16 itself, as the decode graphs return it: the kernels (not a torch fallback) read it as fp32
         bf = logits.to(torch.bfloat16)
-        assert sampler._kernels(bf) is not None
-        assert torch.equal(sample(bf, params, seeds, steps), want), vocab
+        assert sampler._kernels(bf, ops) is not None
+        assert torch.equal(sample(bf, params, seeds, steps, ops), want), vocab
 
 
 def test_logprobs_rank_ties_on_cuda_as_on_the_cpu():
     """The top logprobs come from kernels/sampling.topk_candidates on CUDA: ties by id, the lower first."""
+    from tp_engine.kernels import select
+
+    ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
     gen = torch.Generator().manual_seed(4)
     logits = torch.randint(0, 4, (8, 151936), generator=gen).float()
     greedy = logits.argmax(-1)
     cpu = token_logprobs(logits, greedy, 20)
-    gpu = token_logprobs(logits.to(DEV), greedy.to(DEV), 20)
+    gpu = token_logprobs(logits.to(DEV), greedy.to(DEV), 20, ops)
     assert torch.equal(gpu[1].cpu(), cpu[1]) and torch.equal(gpu[1][:, 0].cpu(), greedy)
     torch.testing.assert_close(gpu[2].cpu(), cpu[2])
 
@@ -124,7 +130,8 @@ def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
     kernels/sampling.topk_candidates; the draws equal the CPU full-sort reference, bf16 ties included."""
     from tp_engine.kernels import select
 
-    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
+    assert ops is not None
     gen = torch.Generator().manual_seed(5)
     n, vocab = 64, 151936
     logits = random_rows(gen, n, vocab)
@@ -132,7 +139,7 @@ def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
     seeds = [request_seed(1, i) for i in range(n)]
     for step in range(2):
         for rows in (logits, logits.to(torch.bfloat16).float()):
-            got = sample(rows.to(DEV), params, seeds, [step] * n).cpu()
+            got = sample(rows.to(DEV), params, seeds, [step] * n, ops).cpu()
             assert torch.equal(got, reference(rows, params, seeds, [step] * n)), step
 
 
@@ -141,7 +148,8 @@ def test_a_nan_logit_is_what_every_kernel_draw_picks():
     fp32 and bf16 logits; the top-k draw among the candidates returned an id past the vocabulary."""
     from tp_engine.kernels import select
 
-    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
+    assert ops is not None
     vocab = 151936
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
     logits[:, 40000] = float("nan")
@@ -151,8 +159,8 @@ def test_a_nan_logit_is_what_every_kernel_draw_picks():
               SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_k=100),
               SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
     for rows in (logits.to(DEV), logits.to(DEV, torch.bfloat16)):
-        assert sampler._kernels(rows) is not None
-        got = sample(rows, params, [11 * i for i in range(6)], [0] * 6)
+        assert sampler._kernels(rows, ops) is not None
+        got = sample(rows, params, [11 * i for i in range(6)], [0] * 6, ops)
         assert got.tolist() == [7] * 6, (rows.dtype, got)
 
 
@@ -161,14 +169,15 @@ def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
     from tp_engine.kernels import select
     from tp_engine.sampling.sampler import uniform_noise
 
-    assert select(DEV, "on") is not None  # a failed self-test is a failure here, not a skip
+    ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
+    assert ops is not None
     vocab = 1 << 17
     seeds = [s for s in range(2000)
              if (uniform_noise(torch.tensor([s]), torch.tensor([0]), vocab) >= 1 - 2 ** -24).any()]
     assert len(seeds) >= 4
     logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(0)) * 2
     params = [SamplingParams(temperature=0.7)] * len(seeds)
-    got = sample(logits.to(DEV), params, seeds, [0] * len(seeds)).cpu()
+    got = sample(logits.to(DEV), params, seeds, [0] * len(seeds), ops).cpu()
     assert torch.equal(got, sample(logits, params, seeds, [0] * len(seeds)))
 
 

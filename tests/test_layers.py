@@ -154,7 +154,7 @@ def check_moe(rank, world):
     torch.testing.assert_close(
         partial, experts_reference(x, torch.cat([gate[:, mine], up[:, mine]], 1), down[:, :, mine], weights, ids), **TOL)
     full = experts_reference(x, torch.cat([gate, up], 1), down, weights, ids)
-    torch.testing.assert_close(comm.all_reduce(partial), full, **TOL)
+    torch.testing.assert_close(comm.all_reduce(partial, comm.get_tp()), full, **TOL)
 
 
 CHECKS = {"column": check_column, "merged": check_merged, "row": check_row, "embedding": check_embedding,

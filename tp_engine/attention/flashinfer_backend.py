@@ -7,7 +7,8 @@ one-token rows inside the pieces instead: piecewise_graph.py). CUDA-graph decode
 
 `prepare(batch)` plans once per step (all layers share the plan); `forward` writes K/V into the pages
 (one index_copy_ each, no Python loop) and attends. `forward_qkv` is the fused path the model takes
-when Triton is available: one kernel does the Q/K RMSNorm, RoPE and the K/V write (kernels/norm.py).
+when the engine runs the fused kernels: one kernel does the Q/K RMSNorm, RoPE and the K/V write
+(kernels/norm.py).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class FlashInferBackend:
     name = "flashinfer"
 
     def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: torch.dtype, max_batch: int = 256, num_pages: int = 0, **_) -> None:
+                 dtype: torch.dtype, max_batch: int = 256, num_pages: int = 0, ops=None, **_) -> None:
+        """ops: the engine's fused kernels (kernels.select) or None: no fused Q/K path, no decode kernel."""
         import flashinfer
 
         self.fi = flashinfer
@@ -86,9 +88,8 @@ class FlashInferBackend:
         self.split_kv = SPLIT_KV
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
-        from tp_engine.kernels import fused_ops
-        self.ops = fused_ops(device)
-        self.fuses_qkv = self.ops is not None
+        self.ops = ops
+        self.fuses_qkv = ops is not None  # as attention.fuses_qkv says
 
     # ---- planning, once per step ----
 

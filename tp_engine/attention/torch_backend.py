@@ -10,6 +10,7 @@ from tp_engine.attention.kv_cache import page_table
 
 class TorchBackend:
     name = "torch"
+    fuses_qkv = False  # the model norms Q and K and applies RoPE itself (attention.fuses_qkv)
 
     def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  **_) -> None:

@@ -1,7 +1,18 @@
-"""The forward context: what one step computes, set once per step so layers take no plumbing arguments."""
+"""The forward context: what one step computes, set once per step so layers take no plumbing arguments.
+
+Whoever runs a forward (the engine, its CUDA-graph runners, the memory plan) wraps it in `forward_context`,
+and the layers that need the step (attention: the batch, KV cache and backend; the LM head: each request's
+last row) read it with `get_context`. It is held in a ContextVar, not a module global: its value belongs to
+the thread (or asyncio task) that set it and is restored when the forward ends, so an engine running in
+another thread of the same process never sees this step, and nothing of it outlives the forward. A
+ContextVar rather than a step held by the model: every attention layer and the LM head would need a
+reference to that holder, given through their constructors, while with this the model's forward reads like
+the math.
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,18 +54,20 @@ class Context:
     attn: Any  # an attention backend
 
 
-_CTX: Context | None = None
+_STEP: ContextVar[Context | None] = ContextVar("tp_engine_step", default=None)
 
 
 def get_context() -> Context | None:
-    return _CTX
+    """The step of the forward running in this thread, or None outside one."""
+    return _STEP.get()
 
 
 @contextmanager
 def forward_context(batch: Batch, kv_cache, attn):
-    global _CTX
-    _CTX = Context(batch, kv_cache, attn)
+    """The step the layers read (`get_context`) while the block runs; the one before it after."""
+    ctx = Context(batch, kv_cache, attn)
+    token = _STEP.set(ctx)
     try:
-        yield _CTX
+        yield ctx
     finally:
-        _CTX = None
+        _STEP.reset(token)

@@ -1,7 +1,8 @@
 """All communication between ranks: every collective the engine runs, by name.
 
 Tensor collectives run on the compute device (`TPGroup.group`: NCCL on CUDA, gloo on CPU) inside the
-model's forward; control messages run on the CPU group (gloo), rank 0 deciding and the others following.
+model's forward, each on the group it is given (the engine's `TPGroup`, which carries the engine's all-reduce
+for small messages); control messages run on the CPU group (gloo), rank 0 deciding and the others following.
 A world of one has no groups and every function here is the identity, so a single-process run needs no
 torchrun. The groups themselves are in comm/group.py, the choice of all-reduce for small messages in
 comm/custom_all_reduce.py, the step message's shared-memory path in comm/shm_channel.py.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tp_engine.comm.custom_all_reduce import _FAST_AR, _PushAllReduce, enable_fast_all_reduce, failure_report
+from tp_engine.comm.custom_all_reduce import _PushAllReduce, enable_fast_all_reduce, failure_report
 from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, gloo_reason, init_distributed,
                                   mark_out_of_step, pick_device, set_tp, shutdown)
 
@@ -24,18 +25,17 @@ __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "sh
 
 # ---- tensor collectives on the compute device (used inside the model's forward) ----
 
-def all_reduce(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
-    """Sum `x` over the ranks and return the sum: in place with NCCL, a new tensor on the paths below.
+def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum `x` over the ranks of `tp` and return the sum: in place with NCCL, a new tensor on the paths below.
 
     On CUDA: messages up to the fast all-reduce's `max_bytes` go through it when `enable_fast_all_reduce`
-    set one up; inside a CUDA-graph capture NCCL is called through the functional collectives, which replay
-    faster than `dist.all_reduce`.
+    set one up on `tp`; inside a CUDA-graph capture NCCL is called through the functional collectives, which
+    replay faster than `dist.all_reduce`.
     """
-    tp = tp or get_tp()
     if tp.size == 1:
         return x
     if x.is_cuda:
-        fast = _FAST_AR.get(tp.group)
+        fast = tp.fast_all_reduce
         if fast is not None and fast.fits(x):
             return fast(x)
         if torch.cuda.is_current_stream_capturing():
@@ -46,25 +46,23 @@ def all_reduce(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
 
 
 def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) in one kernel, where the push
-    all-reduce is set up and `x` fits it; otherwise None, and the caller does the two steps."""
-    tp = tp or get_tp()
-    fast = _FAST_AR.get(tp.group) if tp.size > 1 and x.is_cuda else None
+    all-reduce is set up on `tp` and `x` fits it; otherwise None, and the caller does the two steps."""
+    fast = tp.fast_all_reduce if tp.size > 1 and x.is_cuda else None
     if isinstance(fast, _PushAllReduce) and fast.fits_norm(x) and residual.is_contiguous() \
             and weight.dtype == x.dtype == residual.dtype:
         return fast.add_rmsnorm(x, residual, weight, eps)
     return None
 
 
-def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor | None:
+def gather_to_rank0(x: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
     """Each rank's `x` ([B, n]: its slice of the columns) joined along the columns on rank 0, in rank order:
     [B, tp.size * n]. The other ranks get None.
 
     One all-gather through PyTorch's functional collectives, on CUDA (NCCL) and on CPU (gloo): it runs
     eagerly and inside a CUDA-graph capture alike, so eager and graph decode share it. The other ranks
     receive the shards too, and drop them."""
-    tp = tp or get_tp()
     if tp.size == 1:
         return x
     b = x.shape[0]
@@ -76,10 +74,9 @@ def gather_to_rank0(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor 
     return parts.view(tp.size, b, -1).permute(1, 0, 2).reshape(b, -1)
 
 
-def broadcast(x: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
+def broadcast(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Overwrite `x` on every rank with rank 0's `x`, on the compute device (the sampled tokens, each step).
     On CUDA the host does not wait: the copy is queued on the stream like a kernel."""
-    tp = tp or get_tp()
     if tp.size > 1:
         dist.broadcast(x, src=0, group=tp.group)
     return x

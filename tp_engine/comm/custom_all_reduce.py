@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -128,7 +129,8 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-_FAST_AR: dict = {}  # device group -> the small-message all-reduce set up on it (comm.all_reduce reads it)
+# The fast all-reduces in use in this process, for `failure_report` alone (the engines' groups hold them)
+_IN_USE: weakref.WeakSet = weakref.WeakSet()
 ALL_REDUCE_KINDS = {"push": _PushAllReduce, "symm": _SymmAllReduce}
 
 
@@ -152,16 +154,18 @@ def _check(fast, tp: TPGroup, dtype: torch.dtype) -> bool:
     return ok and fast.failure() is None
 
 
-def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto", timeout_s: float = 300.0,
-                           max_bytes: int = 512 << 10) -> str:
-    """Collective: set up the all-reduce for small messages on `tp`; returns the kind every rank uses.
+def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, fused: bool, choice: str = "auto",
+                           timeout_s: float = 300.0, max_bytes: int = 512 << 10) -> str:
+    """Collective: set up the all-reduce for small messages on `tp` (the engine's group, whose
+    `fast_all_reduce` it becomes: comm.all_reduce takes it there); returns the kind every rank uses.
 
     `choice` (config key advanced.all_reduce): `push` (comm/push_all_reduce.py; needs the fused kernels on
-    every rank), `symm` (PyTorch's one-shot all-reduce over symmetric memory), `nccl`, or `auto`: push, else
-    symm, at TP=2, and NCCL above (the push all-reduce is written for any number of ranks and its protocol
-    is tested for up to 8 on one GPU, but on hardware only two GPUs were available to prove it). A kind that
-    fails on any rank falls back to the next, down to NCCL. Only messages up to `max_bytes` (decode batches
-    up to 64 at hidden 4096) take it; larger ones stay with NCCL."""
+    every rank: `fused` says whether this rank's engine runs them), `symm` (PyTorch's one-shot all-reduce
+    over symmetric memory), `nccl`, or `auto`: push, else symm, at TP=2, and NCCL above (the push all-reduce
+    is written for any number of ranks and its protocol is tested for up to 8 on one GPU, but on hardware only
+    two GPUs were available to prove it). A kind that fails on any rank falls back to the next, down to NCCL.
+    Only messages up to `max_bytes` (decode batches up to 64 at hidden 4096) take it; larger ones stay with
+    NCCL."""
     if tp.size == 1 or tp.device.type != "cuda" or choice == "nccl":
         return "nccl"
     if choice == "auto" and tp.size > 2:
@@ -174,10 +178,8 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto"
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     kinds = ["push", "symm"] if choice in ("auto", "push") else [choice]
     for kind in kinds:
-        if kind == "push":
-            from tp_engine.kernels import fused_ops
-            if not _all_ranks(fused_ops(tp.device) is not None, tp):
-                continue
+        if kind == "push" and not _all_ranks(fused, tp):
+            continue
         fast, ok = _attempt(lambda: ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes, timeout_s), tp, f"{kind} buffers")
         if ok:
             _, ok = _attempt(fast.connect, tp, f"{kind} rendezvous")
@@ -186,7 +188,8 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto"
             ok = _all_ranks(ok and bool(passed), tp)
         if ok:
             fast.in_use(timeout_s)
-            _FAST_AR[tp.group] = fast
+            tp.fast_all_reduce = fast
+            _IN_USE.add(fast)
             return kind
         if tp.is_first:
             log.warning("all-reduce: %s failed its start-up check on some rank%s", kind,
@@ -198,7 +201,7 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, choice: str = "auto"
 
 def failure_report() -> str | None:
     """Why a fast all-reduce stopped this rank, if one did (its kernels leave a record in host memory)."""
-    for fast in _FAST_AR.values():
+    for fast in list(_IN_USE):
         msg = fast.failure()
         if msg:
             return msg

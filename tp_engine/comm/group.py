@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     channel: ShmChannel | None = None  # fast path of broadcast_ints when all ranks share a host
+    # the small-message all-reduce its engine set up at start-up (comm/custom_all_reduce.py), or None: NCCL
+    fast_all_reduce: Any = None
 
     @property
     def is_first(self) -> bool:

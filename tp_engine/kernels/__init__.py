@@ -22,8 +22,9 @@ where torch would), so swapping one for the other changes results only through t
   CUDA graphs on short contexts (cuda_graph.py, and mixed steps' decode rows in piecewise_graph.py).
 
 The push all-reduce (comm/push_all_reduce.py) is built on the helpers here too. This module holds the
-registry the model asks for them (`fused_ops`), their start-up check (`self_test`) and the Triton helpers
-the kernels share. It imports nothing else of the engine.
+start-up choice of them (`select`: the engine calls it once, the ranks agree on it, and the engine hands the
+result to its layers, sampler and attention backend; nothing here remembers it), their start-up check
+(`self_test`) and the Triton helpers the kernels share. It imports nothing else of the engine.
 """
 from __future__ import annotations
 
@@ -62,10 +63,7 @@ def available() -> bool:
     return triton is not None
 
 
-# ---- the registry ----
-
-_CHOSEN: dict[str, object] = {}  # "ops": what fused_ops returns on CUDA, once decided
-
+# ---- the choice ----
 
 def _ops() -> SimpleNamespace:
     from . import fp8, gemv, mlp, moe, norm, sampling  # the kernel modules import the helpers below from this one
@@ -79,23 +77,11 @@ def _ops() -> SimpleNamespace:
                            fused_moe=moe.fused_moe, fp8_linear=fp8.linear)
 
 
-def fused_ops(device: torch.device):
-    """The fused kernels for tensors on `device`, or None (CPU tensors, or not in use): an object with
-    add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear, argmax, gumbel_argmax, resolve_tokens,
-    topk_candidates, draw_among, moe_topk_softmax, fused_moe and fp8_linear.
-
-    The Engine decides once at start-up, the same on every rank (`select`, then `use`); without an Engine
-    (a test, a script) the first call on CUDA decides as `select(device, "auto")`. The CPU path never
-    compiles a kernel."""
-    if device.type != "cuda":
-        return None
-    if "ops" not in _CHOSEN:
-        _CHOSEN["ops"] = select(device, "auto")
-    return _CHOSEN["ops"]
-
-
-def select(device: torch.device, mode: str = "auto", fp8: bool = False):
-    """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None.
+def select(device: torch.device, mode: str = "auto", fp8: bool = False) -> SimpleNamespace | None:
+    """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None (the
+    torch code). The kernels: an object with add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear,
+    argmax, gumbel_argmax, resolve_tokens, topk_candidates, draw_among, moe_topk_softmax, fused_moe and
+    fp8_linear.
 
     auto: the kernels on CUDA when Triton imports and the self-test passes, else None (with a warning);
     on: the same, but a missing Triton or a failed self-test raises ValueError; off: None. fp8: the model has
@@ -118,11 +104,6 @@ def select(device: torch.device, mode: str = "auto", fp8: bool = False):
                          f"{failure}")
     log.warning("fused Triton kernels disabled (self-test failed: %s)", failure)
     return None
-
-
-def use(ops) -> None:
-    """Install what `fused_ops` returns from now on: the kernels (from `select`) or None."""
-    _CHOSEN["ops"] = ops
 
 
 def self_test(device: torch.device, fp8: bool = False) -> str | None:

@@ -117,7 +117,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: 
 # before capturing it). At one token the GEMV races the small-batch GEMM tiles. Beyond 256 tokens (prefill,
 # compute-bound, where timing in the middle of a run would cost more than it saves) the choice is fixed:
 # weight-only dequantizes the shard for cuBLAS, w8a8 prepares the activations in a pass of their own.
-_CHOICE: dict = {}
+_CHOICE: dict = {}  # measured choices by shape and device: a cache (as kernels/gemv.py's), not a switch
 BUCKETS = (1, 16, 32, 64, 128, 256)
 
 

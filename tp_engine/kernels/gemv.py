@@ -40,6 +40,8 @@ if triton is not None:
 
 GEMV_CONFIGS = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
                 (32, 256, 8)]  # (rows per program, columns per iteration, warps)
+# (weight shape, dtype, device) -> the tile timed fastest: a cache of measurements that every engine of the
+# process shares, not a switch (each engine chooses whether to run these kernels at all: kernels.select)
 _GEMV_CHOICE: dict = {}
 
 

@@ -16,7 +16,7 @@ from tp_engine.kernels import pdl_args, triton
 # (rows of gate and of up per program, reduction step, warps): the expert tiles, and wider ones for the
 # dense MLPs' longer rows
 TILES = [(1, 512, 2), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4), (8, 128, 8), (8, 512, 2)]
-_CHOICE: dict = {}
+_CHOICE: dict = {}  # measured choices by shape and device: a cache (as kernels/gemv.py's), not a switch
 _ZERO: dict = {}  # device -> the fixed expert id 0
 
 

@@ -160,7 +160,7 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 GEMV_TILES = [(1, 512, 2), (1, 1024, 4), (8, 128, 8), (8, 512, 2), (1, 256, 2), (2, 1024, 4)]
 DOWN_TILES = [(1, 128, 4), (4, 256, 4), (8, 256, 4), (1, 256, 2), (2, 128, 4), (1, 512, 4)]
 _DEFAULT = ((1, 1024, 4), (1, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
-_CHOICE: dict = {}
+_CHOICE: dict = {}  # measured choices by shape and device: a cache (as kernels/gemv.py's), not a switch
 
 
 def _gate_up(x, gate_up, ids, tile, scales: ExpertScales | None = None) -> torch.Tensor:

@@ -43,10 +43,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of each request's last position, gathered on rank 0 (other ranks get None)."""
+    ops = None  # the engine's fused kernels, set once after the build (layers/linear.py's docstring)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
         if ctx is not None and ctx.batch.is_prefill:
             hidden = hidden[ctx.batch.last_indices]  # prefill: one row per request, not per token
-        logits = gather_to_rank0(matmul(hidden, self.weight), self.tp)
+        logits = gather_to_rank0(matmul(hidden, self.weight, ops=self.ops), self.tp)
         return None if logits is None else logits[:, : self.vocab_size]

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_engine.kernels import fused_ops
 from tp_engine.kernels.fp8 import dequantize
 from tp_engine.kernels.moe_grouped import ExpertScales
 from tp_engine.layers.linear import ColRange, LinearBase, RowPart, check_shape
@@ -140,7 +139,7 @@ class Fp8Weight:
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        ops = fused_ops(x.device)
+        ops = layer.ops
         if ops is not None:
             y = ops.fp8_linear(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.k_shift,
                                self.row_align, self.w8a8, after_norm=layer.follows_norm)
@@ -214,7 +213,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool, device: t
     """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device` (default:
     where each weight is), except what quantization_config's modules_to_not_convert names (checkpoint names: a
     fused layer, or a MoE layer's experts, is skipped when all its parts are). Weights built on the meta device
-    (`weights_on_meta`) that stay unquantized are then allocated on `device`."""
+    (`weight_param`) that stay unquantized are then allocated on `device`."""
     packed = getattr(model, "packed_modules", {})
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # one matmul of all its experts' projections, named alike

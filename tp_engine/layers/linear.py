@@ -3,28 +3,28 @@ and does its one collective (if any) in `forward`.
 
 `weight_loader(param, src, shard_id)` receives `src`, a lazy view of the full checkpoint tensor with
 `.shape` and `.narrow(dim, start, length)`, so a rank reads only the rows or columns it keeps.
+
+`ops`: the fused kernels the engine chose (kernels.select), set on each layer once after the model is built
+(Qwen3ForCausalLM.bind); None, the default, runs the torch code.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tp_engine.comm import all_reduce, get_tp
-from tp_engine.kernels import fused_ops
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           replicated: bool = False) -> torch.Tensor:
-    """F.linear; on the GPU a batch-1 product may go through a GEMV kernel (kernels/gemv.py). replicated: the
-    weight is whole on every rank, which must all get the same bits (no kernel chosen by each rank's timing)."""
-    if bias is None and x.is_cuda:
-        ops = fused_ops(x.device)
-        if ops is not None:
-            return ops.linear(x, weight, replicated)
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, replicated: bool = False,
+           ops=None) -> torch.Tensor:
+    """F.linear; with the fused kernels `ops` a batch-1 product may go through a GEMV kernel
+    (kernels/gemv.py). replicated: the weight is whole on every rank, which must all get the same bits (no
+    kernel chosen by each rank's timing)."""
+    if bias is None and ops is not None:
+        return ops.linear(x, weight, replicated)
     return F.linear(x, weight, bias)
 
 
@@ -48,24 +48,12 @@ class ColRange(NamedTuple):
     full: int  # the checkpoint tensor's columns
 
 
-_ON_META = [False]  # see weights_on_meta
-
-
-@contextmanager
-def weights_on_meta(on: bool = True) -> Iterator[None]:
-    """While on, the weights of linear layers and experts (`weight_param`) are placeholders on the meta device:
-    a block-FP8 model then gives them fp8 storage on the real device (layers/fp8.quantize_linears) without
-    first allocating them in the compute dtype (Qwen3-235B-A22B at TP 2: 235 GB a rank in bf16, 118 in fp8)."""
-    before, _ON_META[0] = _ON_META[0], on
-    try:
-        yield
-    finally:
-        _ON_META[0] = before
-
-
-def weight_param(*shape: int) -> nn.Parameter:
-    """An uninitialised weight of the default dtype, on the default device or, under `weights_on_meta`, on meta."""
-    return nn.Parameter(torch.empty(*shape, device="meta" if _ON_META[0] else None), requires_grad=False)
+def weight_param(*shape: int, device: str | None = None) -> nn.Parameter:
+    """An uninitialised weight of the default dtype, on the default device or on `device`: "meta" builds a
+    placeholder that a block-FP8 model gives fp8 storage on the real device (layers/fp8.quantize_linears)
+    without first allocating it in the compute dtype (Qwen3-235B-A22B at TP 2: 235 GB a rank in bf16, 118 in
+    fp8)."""
+    return nn.Parameter(torch.empty(*shape, device=device), requires_grad=False)
 
 
 class LinearBase(nn.Module):
@@ -74,11 +62,14 @@ class LinearBase(nn.Module):
     quant = None
     # A decode step runs a norm right before this matmul: block-FP8 tiles are timed that way (kernels/fp8.py)
     follows_norm = False
+    ops = None  # the engine's fused kernels (module docstring)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 weight_device: str | None = None) -> None:
+        """weight_device: "meta" for a weight that layers/fp8.quantize_linears stores (weight_param)."""
         super().__init__()
         self.tp = get_tp()
-        self.weight = weight_param(out_features, in_features)
+        self.weight = weight_param(out_features, in_features, device=weight_device)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -101,17 +92,20 @@ class LinearBase(nn.Module):
         return ColRange(0, k, k)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return matmul(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return matmul(x, self.weight, bias, ops=self.ops)
 
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split across ranks; each rank returns its slice of y."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 weight_device: str | None = None) -> None:
         tp = get_tp()
         assert out_features % tp.size == 0, f"output size {out_features} does not split across {tp.size} ranks"
         self.full_out = out_features
-        super().__init__(in_features, out_features // tp.size, bias)
+        super().__init__(in_features, out_features // tp.size, bias, weight_device)
 
     def row_parts(self) -> dict[Any, RowPart]:
         n = self.full_out // self.tp.size
@@ -129,13 +123,15 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up): rank r holds [gate_r | up_r]."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 weight_device: str | None = None) -> None:
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias)
+        super().__init__(in_features, sum(out_sizes), bias, weight_device)
 
-    def silu_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] layer through the fused kernels `ops` (the MLP on the GPU): at one
         token, matmul and activation in one kernel where that is faster (kernels/mlp.py)."""
+        ops = self.ops
         if self.bias is not None or x.dim() != 2:
             return ops.silu_mul(self(x))
         q = self.quant  # a column-parallel shard starts at column 0: no column shift
@@ -159,7 +155,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
     follows_norm = True
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 weight_device: str | None = None) -> None:
         tp = get_tp()
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_heads = num_heads // tp.size
@@ -167,7 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_start = tp.rank * num_kv_heads // tp.size if tp.size > num_kv_heads else tp.rank * self.kv_heads
         self.out_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         local = (self.q_heads + 2 * self.kv_heads) * head_dim
-        LinearBase.__init__(self, hidden, local, bias)
+        LinearBase.__init__(self, hidden, local, bias, weight_device)
 
     def row_parts(self) -> dict[Any, RowPart]:
         d, q, kv = self.head_dim, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
@@ -183,11 +180,12 @@ class RowParallelLinear(LinearBase):
     RMSNorm after it, which fuses the all-reduce with the residual add and the norm (layers/norm.py).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
+                 weight_device: str | None = None) -> None:
         tp = get_tp()
         assert in_features % tp.size == 0, f"input size {in_features} does not split across {tp.size} ranks"
         self.full_in, self.reduce = in_features, reduce
-        super().__init__(in_features // tp.size, out_features, bias)
+        super().__init__(in_features // tp.size, out_features, bias, weight_device)
         if bias:
             self.bias.weight_loader = self.bias_loader
 

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_engine.comm import get_tp
-from tp_engine.kernels import fused_ops
 from tp_engine.layers.linear import check_shape, matmul, weight_param
 
 
 class TopKRouter(nn.Module):
     """Scores every expert for every token and keeps the k best: softmax over all experts in fp32, the top k,
     renormalised to sum to 1 when `renormalize` (config norm_topk_prob). The weight is whole on every rank."""
+    ops = None  # the engine's fused kernels, set once after the build (layers/linear.py's docstring)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
         super().__init__()
@@ -33,8 +33,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (routing weights [N, k] in x's dtype, expert ids [N, k]), largest weight first."""
-        logits = matmul(x, self.weight, replicated=True)  # every rank must pick the same experts
-        ops = fused_ops(x.device)
+        ops = self.ops
+        logits = matmul(x, self.weight, replicated=True, ops=ops)  # every rank must pick the same experts
         if ops is not None:
             return ops.moe_topk_softmax(logits, self.top_k, self.renormalize)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -49,11 +49,13 @@ class FusedMoE(nn.Module):
     expert e's [gate_r | up_r] rows, `down_proj` [E, hidden, I/tp] its columns of down.
 
     Checkpoint tensors are per expert (`{e}.gate_proj.weight`, ...; `checkpoint_parts` tells the loader),
-    and reach `weight_loader` with shard id (e, "gate" | "up" | "down").
+    and reach `weight_loader` with shard id (e, "gate" | "up" | "down"). weight_device: as LinearBase's.
     """
+    ops = None  # the engine's fused kernels, set once after the build (layers/linear.py's docstring)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 weight_device: str | None = None) -> None:
         super().__init__()
         self.tp = get_tp()
         assert intermediate % self.tp.size == 0, \
@@ -61,8 +63,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden, self.full_inter = num_experts, hidden, intermediate
         self.scales = None  # block scales when the experts stay in fp8 (layers/fp8.py)
         self.inter = n = intermediate // self.tp.size
-        self.gate_up_proj = weight_param(num_experts, 2 * n, hidden)
-        self.down_proj = weight_param(num_experts, hidden, n)
+        self.gate_up_proj = weight_param(num_experts, 2 * n, hidden, device=weight_device)
+        self.down_proj = weight_param(num_experts, hidden, n, device=weight_device)
         gate, up, down = names
         experts = range(num_experts)
         self.gate_up_proj.checkpoint_parts = [(f"{e}.{name}.weight", (e, part)) for e in experts
@@ -82,7 +84,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), [N, hidden]."""
-        ops = fused_ops(x.device)
+        ops = self.ops
         if ops is not None:  # `scales`: fp8 experts (layers/fp8.Fp8Experts.keep)
             return ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.scales)
         return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)

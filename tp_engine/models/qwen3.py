@@ -6,18 +6,29 @@ from torch import nn
 
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.base.batch import get_context
-from tp_engine.kernels import fused_ops
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                               RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 
 
+def weight_device(cfg: ModelConfig) -> str | None:
+    """Where the linear layers' and experts' weights are built: as placeholders on the meta device in a
+    block-FP8 model (layers/fp8.quantize_linears then gives them fp8 storage), else on the default device."""
+    return "meta" if cfg.quant is not None else None
+
+
 class Qwen3Attention(nn.Module):
+    # Whether the engine's attention backend takes Q/K norm, RoPE and the K/V write in one kernel with
+    # attention (`forward_qkv`); told once, after the build (Qwen3ForCausalLM.bind).
+    fused_qkv = False
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer_id, self.rotary, d = layer_id, rotary, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
+        self.layer_id, self.rotary, d, wd = layer_id, rotary, cfg.head_dim, weight_device(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, weight_device=wd)
         # partial sums: the post-attention norm all-reduces them (fused with its residual add and norm)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, reduce=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, reduce=False,
+                                        weight_device=wd)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)  # per-head norms on Q and K, before RoPE
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.q_heads, self.qkv_proj.kv_heads, d
@@ -26,7 +37,7 @@ class Qwen3Attention(nn.Module):
         ctx = get_context()
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if getattr(ctx.attn, "fuses_qkv", False):
+        if self.fused_qkv:
             # GPU: Q/K norm, RoPE and the K/V write in one kernel, then attention (same arithmetic as below)
             o = ctx.attn.forward_qkv(self.layer_id, qkv, self, ctx.kv_cache, ctx.batch)
             return self.o_proj(o.reshape(-1, h * d))
@@ -41,13 +52,15 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False)  # as o_proj
+        wd = weight_device(cfg)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       weight_device=wd)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, reduce=False,
+                                           weight_device=wd)  # partial sums, as o_proj's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x.device)
-        if ops is not None:  # silu(gate) * up in one kernel, or in the matmul's at one token
-            return self.down_proj(self.gate_up_proj.silu_mul(x, ops))
+        if self.gate_up_proj.ops is not None:  # silu(gate) * up in one kernel, or the matmul's at one token
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -104,6 +117,16 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind(self, ops, fused_qkv: bool) -> None:
+        """The engine's choices, told once after the build: the fused kernels `ops` (kernels.select, the same
+        on every rank; None: the torch code) for every layer that has them, and whether its attention backend
+        fuses the Q/K norm, RoPE and the K/V write (attention.fuses_qkv)."""
+        for module in self.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = ops
+            if isinstance(module, Qwen3Attention):
+                module.fused_qkv = fused_qkv
 
     def forward(self, input_ids: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
         """Last-position logits [B, vocab] on rank 0, in fp32 (or, fp32=False, in the model's dtype); None on the

@@ -15,7 +15,7 @@ from torch import nn
 
 from tp_engine.layers import FusedMoE, TopKRouter
 from tp_engine.checkpoint.model_config import ModelConfig
-from tp_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from tp_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, weight_device
 
 
 class Qwen3MoeSparseBlock(nn.Module):
@@ -24,7 +24,8 @@ class Qwen3MoeSparseBlock(nn.Module):
         moe = cfg.moe
         self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)  # replicated
         # tensor-parallel experts: partial sums, all-reduced by the next norm like the dense MLP's down_proj
-        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.intermediate_size,
+                                weight_device=weight_device(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)

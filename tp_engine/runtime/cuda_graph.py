@@ -25,7 +25,6 @@ import time
 import numpy as np
 import torch
 
-from tp_engine import comm
 from tp_engine.attention.flashinfer_backend import FlashInferBackend, StepPlan
 from tp_engine.base.batch import Batch, forward_context
 from tp_engine.kernels import decode_attention
@@ -68,8 +67,6 @@ class GraphRunner:
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
-        self.allreduce = comm.enable_fast_all_reduce(self.tp, engine.dtype, engine.cfg["advanced"]["all_reduce"],
-                                                     engine.cfg["timeout_s"])
 
         # The static inputs, shared by all buckets (a bucket of size b reads the first b rows), in one device
         # buffer that one host copy fills each step: the token rows [ids | positions | KV slots] (int64, 3 x M),
@@ -103,7 +100,7 @@ class GraphRunner:
         self._capture()
         if self.tp.is_first:
             log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (all-reduce: %s)",
-                     len(self.buckets), self.max_bs, time.perf_counter() - t0, self.allreduce)
+                     len(self.buckets), self.max_bs, time.perf_counter() - t0, engine.all_reduce_kind)
 
     def _batch(self, bs: int, attention) -> Batch:
         """The static batch of a bucket whose attention runs `attention` (a wrapper or the decode kernel)."""
@@ -144,7 +141,7 @@ class GraphRunner:
         bs, batch = key[0], self.batches[key]
         # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused kernels)
         resolve(self.input_ids[:bs], self.engine.last_tokens,
-                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]))
+                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]), self.engine.ops)
         with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
             return self.model(self.input_ids[:bs], fp32=False)
 

@@ -15,15 +15,14 @@ from typing import Callable, Iterable
 import torch
 
 from tp_engine import comm, kernels
-from tp_engine.attention import check_backend, make_backend
+from tp_engine.attention import check_backend, fuses_qkv, make_backend
 from tp_engine.base.config import fingerprint
 from tp_engine.base.batch import Batch, forward_context
 from tp_engine.attention.kv_cache import KVCache
 from tp_engine.runtime.memory_plan import gib, graph_oom, is_oom, num_pages, step_oom
-from tp_engine.kernels import fused_ops
 from tp_engine.layers.fp8 import settle_experts
 from tp_engine.checkpoint.model_config import ModelConfig
-from tp_engine.models import load_model
+from tp_engine.models import compute_dtype, load_model
 from tp_engine.runtime.page_pool import PagePool
 from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.runtime.request import RequestOutput
@@ -33,8 +32,6 @@ from tp_engine.runtime.step_plan import Plan, step_message
 from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, sampling_inputs, to_host
 
 log = logging.getLogger("tp_engine")
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -60,8 +57,12 @@ class Engine:
         except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
-        self._use_fused_kernels(ops)
-        settle_experts(self.model, kernels.fused_ops(device) is not None)  # FP8 experts: fp8 or dequantized
+        self.ops = self._agree_on_kernels(ops)  # this engine's fused kernels, handed to whatever runs them
+        self.model.bind(self.ops, fuses_qkv(cfg["attention_backend"], device, self.ops))
+        settle_experts(self.model, self.ops is not None)  # FP8 experts: fp8 or dequantized
+        # the all-reduce of small messages on this engine's group, the same with CUDA graphs or without
+        self.all_reduce_kind = comm.enable_fast_all_reduce(self.tp, self.dtype, self.ops is not None,
+                                                           cfg["advanced"]["all_reduce"], cfg["timeout_s"])
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]
@@ -82,7 +83,7 @@ class Engine:
         self.max_batch = min(cfg["max_batch_size"], self.kv.num_pages)  # each running request holds a page
         self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
-                                 max_batch=self.max_batch, num_pages=self.kv.num_pages)
+                                 max_batch=self.max_batch, num_pages=self.kv.num_pages, ops=self.ops)
         # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
         self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.tables = PageTables()  # every running request's pages, kept in step by the step messages
@@ -100,11 +101,7 @@ class Engine:
         cfg, device = self.cfg, self.device
         self.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
         mc.check_tp(self.tp.size)
-        self.dtype = DTYPES[cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)]
-        if device.type == "cpu" and self.dtype == torch.float16:
-            raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
-        if device.type == "cuda" and self.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"dtype bfloat16 is not supported on {torch.cuda.get_device_name(device)}; use float16")
+        self.dtype = compute_dtype(cfg["dtype"], mc, device)
         self.max_model_len = cfg["max_model_len"] or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} is larger than the model's "
@@ -120,20 +117,21 @@ class Engine:
                 from None
         self.load_seconds = time.perf_counter() - t0
 
-    def _use_fused_kernels(self, ops) -> None:
-        """The fused kernels run on every rank or on none: the push all-reduce needs them on all."""
+    def _agree_on_kernels(self, ops):
+        """This rank's kernels (kernels.select) if every rank can run them, else None (the push all-reduce
+        needs them on all)."""
         if self.device.type == "cuda" and not comm.all_reduce_min(int(ops is not None), self.tp):
             if ops is not None:
                 log.warning("fused Triton kernels disabled on rank %d: another rank cannot use them", self.tp.rank)
-            ops = None
-        kernels.use(ops)
+            return None
+        return ops
 
     def _graphs_wanted(self) -> bool:
         """Whether this engine captures CUDA graphs (decode steps; prompt steps too at TP 1)."""
-        cfg, device = self.cfg, self.device
-        if device.type != "cuda" or not cfg["cuda_graph"] or cfg["attention_backend"] == "torch":
+        cfg = self.cfg
+        if self.device.type != "cuda" or not cfg["cuda_graph"] or cfg["attention_backend"] == "torch":
             return False
-        if self.model_cfg.moe is not None and fused_ops(device) is None:
+        if self.model_cfg.moe is not None and self.ops is None:
             log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # moe.py
             return False
         return True
@@ -175,7 +173,7 @@ class Engine:
             return self.graphs.run(batch)  # one copy into the graph's inputs; the references resolved inside
         batch = on_device(batch, self.device)  # decode_message's token rows are on the host
         if lead := batch.decode_rows:  # the references to the previous step's tokens are in these rows
-            resolve(batch.input_ids[:lead], self.last_tokens)  # in place
+            resolve(batch.input_ids[:lead], self.last_tokens, ops=self.ops)  # in place
         if self.pieces is not None and self.pieces.can_run(batch):
             self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
             return self.pieces.run(batch)
@@ -277,9 +275,9 @@ class Engine:
         sched.commit(plan)  # from here the scheduler counts the step as issued
         batch = decode_message(comm.broadcast_ints(message.encode(), self.tp), self.tables)
         logits = self.forward(batch)[: len(params)]
-        sampled = sample(logits, params, seeds, steps)
+        sampled = sample(logits, params, seeds, steps, self.ops)
         k = max(p.logprobs for p in params)
-        logprobs = token_logprobs(logits, sampled, k) if k else ()  # before temperature and filters
+        logprobs = token_logprobs(logits, sampled, k, self.ops) if k else ()  # before temperature and filters
         self.share_tokens(sampled, len(params))
         return to_host(plan, sampled, logprobs)  # not last_tokens, which the next step overwrites
 

@@ -26,7 +26,6 @@ from tp_engine import comm
 from tp_engine.attention import make_backend
 from tp_engine.base.batch import Batch, forward_context
 from tp_engine.runtime.cuda_graph import bucket_sizes
-from tp_engine.kernels import fused_ops
 from tp_engine.attention.kv_cache import KVCache, budget_pages, check_pool, pages_for
 from tp_engine.sampling.sampler import SamplingParams, sample, token_logprobs
 from tp_engine.runtime.step_message import on_device
@@ -110,7 +109,7 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
             graphs += profile_step(engine, graph_tokens, 1, sampled=False)
         if graph_batch:  # the decode graphs: their largest batch, and the logits every graph keeps
             graphs += profile_step(engine, graph_batch, graph_batch, sampled=False)
-            variants = 2 if fused_ops(dev) is not None else 1  # flashinfer's and the decode kernel's graphs
+            variants = 2 if engine.ops is not None else 1  # flashinfer's and the decode kernel's graphs
             itemsize = torch.empty((), dtype=engine.dtype).element_size()
             graphs += variants * sum(bucket_sizes(graph_batch)) * engine.model_cfg.vocab_size * itemsize
     except torch.cuda.OutOfMemoryError as e:  # a rank leaves at once: the others may wait in a collective
@@ -150,7 +149,7 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
     def backend():
         return make_backend(engine.cfg["attention_backend"], dev, num_heads=qkv.q_heads,
                             num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=S, dtype=engine.dtype,
-                            max_batch=rows, num_pages=scratch_pages)
+                            max_batch=rows, num_pages=scratch_pages, ops=engine.ops)
 
     attn = None if sampled else backend()  # a graph's pool holds no attention buffers: they are not counted
     torch.cuda.synchronize(dev)
@@ -170,8 +169,8 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
         logits = engine.model(batch.input_ids)
     if sampled and logits is not None:
         params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)] * rows
-        tokens_out = sample(logits, params, list(range(rows)), [0] * rows)
-        token_logprobs(logits, tokens_out, 20)
+        tokens_out = sample(logits, params, list(range(rows)), [0] * rows, engine.ops)
+        token_logprobs(logits, tokens_out, 20, engine.ops)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del attn, batch, logits, kv

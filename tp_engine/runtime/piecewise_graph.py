@@ -63,7 +63,9 @@ def piecewise_graphs(engine) -> "PiecewiseGraphs | None":
 
 
 class PiecewiseGraphs:
-    fuses_qkv = True  # what the model asks of its attention backend; at capture, this object stands in for it
+    # At capture this object stands in for the engine's backend, which fuses Q/K norm, RoPE and the K/V write:
+    # the model, bound to that (Qwen3ForCausalLM.bind), calls its `forward_qkv`, where each piece ends.
+    fuses_qkv = True
 
     def __init__(self, engine, max_tokens: int) -> None:
         t0 = time.perf_counter()

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from tp_engine.attention.flashinfer_backend import slot_rows
-from tp_engine.kernels import fused_ops
 from tp_engine.runtime.request import RequestState
 from tp_engine.runtime.step_plan import Plan
 from tp_engine.sampling.sampler import SamplingParams, request_seed
@@ -32,11 +31,10 @@ def sampling_inputs(plan: Plan, seed: int) -> tuple[list[SamplingParams], list[i
     return params, seeds, [r.num_outputs for r in plan.reqs]
 
 
-def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
+def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None, ops=None) -> torch.Tensor:
     """Replace each reference to the previous step's tokens (`step_plan.ref_token`: -1 - row) by last[row], in
     place. slots, (out_loc, page_size, k_rows, v_rows): also each token's K/V cache rows (slot_rows); with the
-    fused kernels, both in one launch (a decode graph's first)."""
-    ops = fused_ops(ids.device)
+    engine's fused kernels `ops`, both in one launch (a decode graph's first)."""
     if ops is not None:
         return ops.resolve_tokens(ids, last, slots)
     if slots is not None:

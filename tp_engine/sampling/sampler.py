@@ -90,10 +90,12 @@ def _temperatures(params: list[SamplingParams], rows: list[int], dev: torch.devi
     return to_device([min(params[i].temperature, TEMPERATURE_MAX) for i in rows], torch.float32, dev)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
+           ops=None) -> torch.Tensor:
     """logits: [B, vocab] -> chosen ids [B] (int64). Each row's draw depends on its own values only. Logits in
-    bf16 or fp16 (the CUDA graphs') are drawn from as their fp32 values, which hold them exactly."""
-    ops = _kernels(logits)
+    bf16 or fp16 (the CUDA graphs') are drawn from as their fp32 values, which hold them exactly. ops: the
+    engine's fused kernels (kernels.select) or None: the same draws, in fewer passes over the logits."""
+    ops = _kernels(logits, ops)
     if ops is None:
         logits = logits.float()
     greedy = ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)  # the same ids, in one launch
@@ -106,7 +108,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     many = [i for i in rows if params[i].top_k > TOPK_MAX_K]
     nucleus = [i for i in rows if params[i].top_k == 0 and params[i].top_p < 1]
     if plain:
-        greedy[to_device(plain, torch.int64, dev)] = _plain_draw(logits, plain, params, seeds, steps)
+        greedy[to_device(plain, torch.int64, dev)] = _plain_draw(logits, plain, params, seeds, steps, ops)
     for group in (few, many, nucleus):
         if not group:
             continue
@@ -117,8 +119,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
         p = to_device([max(params[i].top_p, TOP_P_MIN) for i in group], torch.float32, dev)
         max_k = min(max(params[i].top_k for i in group), vocab)
-        ops = _kernels(logits) if group is few else None
-        if ops is not None:
+        if ops is not None and group is few:
             ids = ops.topk_candidates(logits, rows_t, temps, max_k)
             greedy[rows_t] = ops.draw_among(logits, rows_t, temps, ids, k, p, hashes)
             continue
@@ -130,23 +131,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     return greedy
 
 
-def _kernels(logits: torch.Tensor):
-    """The fused kernels (kernels/sampling.py) when `logits` suits them, else None."""
-    if not logits.is_cuda or not logits.is_floating_point() or logits.stride(-1) != 1:
+def _kernels(logits: torch.Tensor, ops):
+    """The fused kernels `ops` (kernels/sampling.py) when `logits` suits them, else None."""
+    if ops is None or not logits.is_floating_point() or logits.stride(-1) != 1:
         return None
-    from tp_engine.kernels import fused_ops
-    return fused_ops(logits.device)
+    return ops
 
 
 def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
-                steps: list[int]) -> torch.Tensor:
+                steps: list[int], ops=None) -> torch.Tensor:
     """Temperature only: Gumbel-max over the whole vocabulary (one fused pass on CUDA)."""
     dev = logits.device
     hashes = row_hash(to_device([seeds[i] for i in rows], torch.int64, dev),
                       to_device([steps[i] for i in rows], torch.int64, dev))
     temps = _temperatures(params, rows, dev)
     rows_t = to_device(rows, torch.int64, dev)
-    ops = _kernels(logits)
     if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
         return ops.gumbel_argmax(logits, rows_t, temps, hashes)
     x = logits[rows_t] / temps[:, None]
@@ -154,16 +153,16 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
     return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, ops=None) -> tuple[torch.Tensor, ...]:
     """From logits [B, vocab] (before temperature and filters; taken in fp32): the chosen tokens' log-probabilities
     [B], and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the
-    vocabulary."""
+    vocabulary. ops: as `sample`'s."""
     logits = logits.float()
     lp = torch.log_softmax(logits, dim=-1)
     k = min(k, lp.shape[-1])
     # ranked as the draws rank the logits (value descending, the lower id first among equal values), so the
     # greedy token comes first and the top k are the first k of the top k + 1 (torch.topk orders ties anyhow)
-    ops = _kernels(logits) if k <= TOPK_MAX_K else None
+    ops = _kernels(logits, ops) if k <= TOPK_MAX_K else None
     if ops is not None:
         rows = torch.arange(lp.shape[0], device=lp.device)
         ids = ops.topk_candidates(logits, rows, torch.ones(lp.shape[0], device=lp.device), k)
