@@ -12,10 +12,10 @@ Workloads (comma-separated, or `all`):
   throughput  256 requests, prompt and output lengths uniform in [100, 1024], temperature 0.6, ignore_eos,
               fixed seed: output tok/s over the whole run (after a warm-up), TTFT and TPOT percentiles
   load        with --write-checkpoint: seconds to build the engine from the safetensors on disk
-  shared_prefix  --num-requests requests: one --prefix-len (2,000) token prefix + U[--suffix-min, --suffix-max]
-              ([100, 300]) unique tokens, --shared-new-tokens (128) new, temperature 0.6: the same requests with
-              the prefix cache off, then on (emptied before each); output tok/s, TTFT, cached prompt tokens of
-              both, and the ratio on/off (`speedup`)
+  shared_prefix  --num-requests requests: one --prefix-len (2,000) token prefix +
+              U[--suffix-min, --suffix-max] ([100, 300]) unique tokens, --shared-new-tokens (128) new,
+              temperature 0.6: the same requests with the prefix cache off, then on (emptied before each);
+              output tok/s, TTFT, cached prompt tokens of both, and the ratio on/off (`speedup`)
   long_prompt --long-decoders (64) requests decode; once the first has --long-after (16) tokens, one
               --long-len (32,000) token prompt arrives: its TTFT, the decoders' time per output token
               (p50/p99) while it prefills and its p50 otherwise (the ratio p99 / that p50): with the
@@ -82,14 +82,16 @@ SHARD_BYTES = 4 << 30
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="directory with config.json (public Qwen3 shapes in configs/models)")
+    p.add_argument("--model", required=True,
+                   help="directory with config.json (public Qwen3 shapes in configs/models)")
     p.add_argument("--workload", default="latency",
                    help="latency, throughput, load, shared_prefix, long_prompt, sampling, n8, soak "
                         "(comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
-    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random bf16 checkpoint here (if absent) and load it; "
+    p.add_argument("--write-checkpoint", metavar="DIR",
+                   help="write a random bf16 checkpoint here (if absent) and load it; "
                    "with --weights fp8 also an FP8 one in DIR-fp8")
     p.add_argument("--weights", default="bf16", help="weight formats to run, in order: bf16, fp8 or bf16,fp8")
     p.add_argument("--seed", type=int, default=0)
@@ -105,21 +107,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-prompts", type=int, default=64, help="n8: prompts")
     p.add_argument("--n-samples", type=int, default=8, help="n8: samples per prompt")
     p.add_argument("--n-new-tokens", type=int, default=512, help="n8: new tokens per sample")
-    p.add_argument("--hf-new-tokens", type=int, default=None, help="HF latency run length (default --new-tokens)")
-    p.add_argument("--hf-requests", type=int, default=32, help="HF throughput: this many requests as one batch")
-    p.add_argument("--hf-max-new", type=int, default=128, help="HF throughput: new tokens per request (capped)")
+    p.add_argument("--hf-new-tokens", type=int, default=None,
+                   help="HF latency run length (default --new-tokens)")
+    p.add_argument("--hf-requests", type=int, default=32,
+                   help="HF throughput: this many requests as one batch")
+    p.add_argument("--hf-max-new", type=int, default=128,
+                   help="HF throughput: new tokens per request (capped)")
     p.add_argument("--prefix-len", type=int, default=2000, help="shared_prefix: tokens of the shared prefix")
-    p.add_argument("--suffix-min", type=int, default=100, help="shared_prefix: fewest unique tokens per request")
-    p.add_argument("--suffix-max", type=int, default=300, help="shared_prefix: most unique tokens per request")
+    p.add_argument("--suffix-min", type=int, default=100,
+                   help="shared_prefix: fewest unique tokens per request")
+    p.add_argument("--suffix-max", type=int, default=300,
+                   help="shared_prefix: most unique tokens per request")
     p.add_argument("--shared-new-tokens", type=int, default=128, help="shared_prefix: new tokens per request")
     p.add_argument("--long-len", type=int, default=32000, help="long_prompt: tokens of the long prompt")
-    p.add_argument("--long-decoders", type=int, default=64, help="long_prompt: requests decoding when it arrives")
-    p.add_argument("--long-after", type=int, default=16, help="long_prompt: it arrives after this many decode tokens")
+    p.add_argument("--long-decoders", type=int, default=64,
+                   help="long_prompt: requests decoding when it arrives")
+    p.add_argument("--long-after", type=int, default=16,
+                   help="long_prompt: it arrives after this many decode tokens")
     p.add_argument("--long-costs", type=lambda v: [int(c) for c in v.split(",") if c], default=[],
-                   help="long_prompt: more values of max_prefill_cost_while_decoding to measure, e.g. 512,2048")
+                   help="long_prompt: more values of max_prefill_cost_while_decoding to measure, "
+                        "e.g. 512,2048")
     p.add_argument("--long-decode-tokens", type=int, default=256, help="long_prompt: new tokens per decoder")
     p.add_argument("--long-spans", type=lambda v: [float(c) for c in v.split(",") if c], default=[],
-                   help="long_prompt: attention spans to measure each cost at, in place of the model's, e.g. 1920,960")
+                   help="long_prompt: attention spans to measure each cost at, in place of the model's, "
+                        "e.g. 1920,960")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
     # measuring only; the engine's own switches are config keys (--set advanced.all_reduce=nccl and the like)
     p.add_argument("--push-chunk", type=int, default=None, metavar="N",
@@ -127,16 +138,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "0: a whole row per program)")
     p.add_argument("--no-fast-plan", action="store_true",
                    help="always the public plan() of the flashinfer CUDA-graph wrappers")
-    p.add_argument("--no-split-kv", action="store_true", help="CUDA-graph decode without flashinfer's KV split")
-    p.add_argument("--no-pdl", action="store_true", help="the Triton kernels without programmatic dependent launch")
+    p.add_argument("--no-split-kv", action="store_true",
+                   help="CUDA-graph decode without flashinfer's KV split")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="the Triton kernels without programmatic dependent launch")
     p.add_argument("--no-decode-kernel", action="store_true",
-                   help="flashinfer's attention for every decode row: in CUDA-graph decode and in mixed steps' graph "
-                        "pieces (not the decode kernel on short contexts)")
+                   help="flashinfer's attention for every decode row: in CUDA-graph decode and in mixed "
+                        "steps' graph pieces (not the decode kernel on short contexts)")
     p.add_argument("--gpu", default=os.environ.get("GPU_KIND", ""), help="label recorded in the results")
     p.add_argument("--out", help="also write the JSON line to this file")
     p.add_argument("--memory-cap-gib", type=float, default=None,
-                   help="cap the allocator at this many GiB (torch.cuda.set_per_process_memory_fraction), e.g. 79.1 "
-                        "to run as on an 80 GB H100; the memory plan sizes the KV pool within it")
+                   help="cap the allocator at this many GiB (torch.cuda.set_per_process_memory_fraction), "
+                        "e.g. 79.1 to run as on an 80 GB H100; the memory plan sizes the KV pool within it")
     args = p.parse_args(argv)
     args.soak_requests = args.num_requests or 100_000
     args.num_requests = args.num_requests or 256
@@ -164,8 +177,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def model_bytes(cfg: dict, bytes_per_param: int = 2, fp8: bool = False) -> int:
-    """Bytes of all weights of the full model (tied embeddings counted once); fp8: the quantized linears at one
-    byte per weight plus a float32 scale per 128 x 128 block."""
+    """Bytes of all weights of the full model (tied embeddings counted once); fp8: the quantized linears at
+    one byte per weight plus a float32 scale per 128 x 128 block."""
     return sum(tensor_bytes(name, shape, bytes_per_param, fp8) for name, shape in checkpoint_tensors(cfg))
 
 
@@ -183,7 +196,8 @@ def prod(shape) -> int:
 
 
 def mlp_tensors(pre: str, h: int, i: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [(pre + "gate_proj.weight", (i, h)), (pre + "up_proj.weight", (i, h)), (pre + "down_proj.weight", (h, i))]
+    return [(pre + "gate_proj.weight", (i, h)), (pre + "up_proj.weight", (i, h)),
+            (pre + "down_proj.weight", (h, i))]
 
 
 def checkpoint_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -232,8 +246,8 @@ def active_weight_bytes(cfg: dict, tp: int, bytes_per_param: int = 2) -> int:
 
 def write_checkpoint(model_dir: str, out_dir: str, seed: int, fp8: bool = False) -> float:
     """Random bf16 safetensors shards + index + config.json; each rank writes every world-th shard. fp8: the
-    same random weights, quantized (launch/quantize_fp8.py's format). Returns the seconds this took (0 when the
-    directory already holds a complete checkpoint)."""
+    same random weights, quantized (launch/quantize_fp8.py's format). Returns the seconds this took (0 when
+    the directory already holds a complete checkpoint)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -258,7 +272,8 @@ def write_checkpoint(model_dir: str, out_dir: str, seed: int, fp8: bool = False)
     shards.append(cur)
     out.mkdir(parents=True, exist_ok=True)
     files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator(device=dev)
     for k, shard in enumerate(shards):
         if k % world != rank():
@@ -298,7 +313,8 @@ def fp8_config_dir(model_dir: str) -> str:
     out = Path(tempfile.gettempdir()) / "tp_engine_bench" / f"{Path(model_dir).resolve().name}-fp8"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"config.json.{rank()}"
-    tmp.write_text(json.dumps(fp8_config(json.loads((Path(model_dir) / "config.json").read_text())), indent=2))
+    tmp.write_text(json.dumps(fp8_config(json.loads((Path(model_dir) / "config.json").read_text())),
+                              indent=2))
     os.replace(tmp, out / "config.json")
     return str(out)
 
@@ -319,7 +335,7 @@ def run_requests(engine: Engine, requests: list[RequestOutput], on_token=None, o
 
 
 def empty_prefix_cache(engine: Engine) -> None:
-    """Forget the cached prompt pages (rank 0's pool), so that a measured run reuses nothing of an earlier one."""
+    """Forget the cached prompt pages (rank 0's pool): a measured run reuses nothing of an earlier one."""
     if engine.pool is not None:
         engine.pool.clear()
 
@@ -365,7 +381,8 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
             wb = active_weight_bytes(cfg, engine.tp.size, engine.dtype.itemsize)
         res["latency"] = {
             "decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3),
-            ("active_weight_bytes_per_rank" if engine.model_cfg.moe is not None else "weight_bytes_per_rank"): wb,
+            ("active_weight_bytes_per_rank" if engine.model_cfg.moe is not None
+             else "weight_bytes_per_rank"): wb,
             "bandwidth_tb_s": round(wb / step / 1e12, 3),
             "floor_ms_per_step": round(wb / HBM_BYTES_PER_S * 1e3, 3),
             "floor_tok_s": round(HBM_BYTES_PER_S / wb, 1),
@@ -386,7 +403,7 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
 
 
 def profile_decode(engine: Engine, one, n_new: int) -> dict:
-    """Per decode step: GPU time by kernel family (torch.profiler) and the host time not covered by kernels."""
+    """Per decode step: GPU time by kernel family (torch.profiler) and the host time no kernel covers."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -420,7 +437,8 @@ def profile_decode(engine: Engine, one, n_new: int) -> dict:
                 families["attention"] += us
             elif any(k in low for k in ("nccl", "all_reduce", "allreduce", "one_shot", "symm")):
                 families["all_reduce"] += us
-            elif any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "gemv", "cublas", "splitk", "sm90_")):
+            elif any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "gemv", "cublas", "splitk",
+                                        "sm90_")):
                 families["matmul"] += us
             elif any(k in low for k in ("rmsnorm", "qk_norm", "silu", "gumbel")):
                 families["norm_rope_act"] += us
@@ -447,14 +465,16 @@ class HostTimers:
 
         self.t: dict[str, float] = {}
         self.patches = []
-        for owner, name, label in ((E.comm, "broadcast_ints", "broadcast"), (E, "decode_message", "decode_message"),
+        for owner, name, label in ((E.comm, "broadcast_ints", "broadcast"),
+                                   (E, "decode_message", "decode_message"),
                                    (Scheduler, "schedule", "schedule"), (E, "step_message", "message"),
                                    (StepMessage, "encode", "encode"), (Scheduler, "commit", "commit"),
                                    (Scheduler, "update", "update"), (engine, "forward", "forward_launch"),
                                    (engine, "share_tokens", "sample_and_share"),
                                    (engine, "take_tokens", "wait_gpu_and_update")):
             self._wrap(owner, name, label)
-        if engine.graphs is not None:  # inside forward_launch: static inputs + page table + plan, and the plan
+        # inside forward_launch: static inputs + page table + plan, and the plan
+        if engine.graphs is not None:
             self._wrap(engine.graphs, "_load", "graph_inputs_and_plan")
             self._wrap(engine.attn, "plan_graph_decode", "graph_plan")
 
@@ -512,7 +532,8 @@ def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", t
                 for k, (ids, o) in enumerate(specs)]
 
     warm = throughput_requests(args, vocab, 32, args.seed + 1)
-    run_requests(engine, make([(ids[:200], 48) for ids, _ in warm], 10_000))  # warm-up: prefill + graph buckets
+    # warm-up: prefill + graph buckets
+    run_requests(engine, make([(ids[:200], 48) for ids, _ in warm], 10_000))
     specs = throughput_requests(args, vocab, args.num_requests, args.seed)
     reqs = make(specs, 0)
     first: dict[int, float] = {}
@@ -578,7 +599,8 @@ def bench_shared_prefix(engine: Engine, args, res: dict) -> None:
                 "output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
                 "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "output_tokens": n_out,
                 "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in reqs),
-                "ttft_s": {f"p{q}": round(pct(ttft, q), 4) for q in (50, 99)}, "preempted": engine.num_preempted}
+                "ttft_s": {f"p{q}": round(pct(ttft, q), 4) for q in (50, 99)},
+                "preempted": engine.num_preempted}
     if pool is not None:
         pool.enabled = engine.cfg["prefix_cache"]
     if engine.tp.is_first:
@@ -587,7 +609,8 @@ def bench_shared_prefix(engine: Engine, args, res: dict) -> None:
 
 
 def bench_long_prompt(engine: Engine, args, res: dict) -> None:
-    """Decoders run; a long prompt arrives: its TTFT and their time per token while it prefills, chunked and not."""
+    """Decoders run; a long prompt arrives: its TTFT and their time per token while it prefills, chunked
+    and not."""
     vocab, cfg = engine.model_cfg.vocab_size, dict(engine.cfg)
     chunk, cost = args.long_chunk, cfg["max_prefill_cost_while_decoding"]
     warm = random_ids(random.Random(args.seed), min(args.long_len, 2048), vocab)
@@ -642,11 +665,13 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
             out[label] = {"max_prefill_tokens": budget, "max_prefill_cost_while_decoding": bound,
                           "attention_span": scheds[0].span,
                           "long_ttft_s": round(t1 - t0, 4),
-                          "decode_tpot_ms_while_prefilling": {f"p{q}": round(pct(gaps, q) * 1e3, 3) for q in (50, 99)},
+                          "decode_tpot_ms_while_prefilling":
+                              {f"p{q}": round(pct(gaps, q) * 1e3, 3) for q in (50, 99)},
                           "decode_tokens_while_prefilling": len(gaps),
                           "decode_tpot_ms_p50_otherwise": round(pct(steady, 50) * 1e3, 3),
                           "p99_while_prefilling_over_p50": round(pct(gaps, 99) / pct(steady, 50), 2)}
-    engine.cfg["max_prefill_tokens"], engine.cfg["max_prefill_cost_while_decoding"] = cfg["max_prefill_tokens"], cost
+    engine.cfg["max_prefill_tokens"] = cfg["max_prefill_tokens"]
+    engine.cfg["max_prefill_cost_while_decoding"] = cost
     if engine.tp.is_first:
         res["long_prompt"] = {"long_len": args.long_len, "decoders": args.long_decoders, **out}
 
@@ -663,7 +688,8 @@ def bench_sampling(engine: Engine, args, res: dict) -> None:
 
 
 def bench_n_samples(engine: Engine, args, res: dict) -> None:
-    """--n-prompts x --n-samples samples (one prompt each, sampled n times), against as many separate prompts."""
+    """--n-prompts x --n-samples samples (one prompt each, sampled n times), against as many separate
+    prompts."""
     vocab, rng = engine.model_cfg.vocab_size, random.Random(args.seed)
     count = args.n_prompts * args.n_samples
 
@@ -720,8 +746,8 @@ def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, n: int) -> float:
     sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
     sync()
     return time.perf_counter() - t0
 
@@ -739,7 +765,8 @@ def bench_hf(args, cfg: dict, ckpt: str | None, workloads: set[str], res: dict, 
         t1 = hf_generate(model, ids, mask, 1)
         tn = hf_generate(model, ids, mask, n)
         step = (tn - t1) / (n - 1)
-        out["latency"] = {"decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3), "new_tokens": n}
+        out["latency"] = {"decode_tok_s": round(1 / step, 1), "ms_per_step": round(step * 1e3, 3),
+                          "new_tokens": n}
     if "throughput" in workloads:
         specs = throughput_requests(args, vocab, args.num_requests, args.seed)[: args.hf_requests]
         width = max(len(p) for p, _ in specs)
@@ -784,7 +811,8 @@ def set_measuring_knobs(args) -> dict:
             "decode_kernel_max_context": decode_attention.MAX_CONTEXT}
 
 
-def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict, fp8: bool) -> None:
+def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: int, res: dict,
+               fp8: bool) -> None:
     """Our engine on the workloads, its figures into `res`."""
     cfg = C.build_config(None, args.overrides, **options)
     args.long_chunk = cfg["max_prefill_tokens"]  # long_prompt's chunked modes
@@ -838,10 +866,12 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_n_samples(engine, args, res)
     if engine.ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
-        res["mlp_gate_up"] = {"x".join(map(str, k[0])): str(v) for k, v in mlp._CHOICE.items()}  # at one token
+        # at one token
+        res["mlp_gate_up"] = {"x".join(map(str, k[0])): str(v) for k, v in mlp._CHOICE.items()}
         if fp8:  # the FP8 kernel and tile per weight shape and token-count bucket
             res["fp8_kernels"] = {f"{'x'.join(map(str, k[0]))}{f' shift {k[1]}' if k[1] else ''} m<={k[3]}"
-                                  f"{' w8a8' if k[4] else ''}": str(v) for k, v in fp8_kernels._CHOICE.items()}
+                                  f"{' w8a8' if k[4] else ''}": str(v)
+                                  for k, v in fp8_kernels._CHOICE.items()}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -849,8 +879,8 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING, format="[%(asctime)s] %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING,
+                        format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     workloads = {"latency", "throughput", "load"} if args.workload == "all" else set(args.workload.split(","))
     if "load" in workloads and not args.write_checkpoint:
         raise SystemExit("--workload load needs --write-checkpoint DIR")
@@ -861,12 +891,14 @@ def main(argv=None) -> int:
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(local)[1]), local)
     res: dict = {"model": Path(args.model).name, "tp": world, "gpu": args.gpu, "workloads": sorted(workloads),
-                 "date": time.strftime("%Y-%m-%d"), "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args), "weight_formats": args.weights,
-                 "memory_cap_gib": args.memory_cap_gib}
+                 "date": time.strftime("%Y-%m-%d"),
+                 "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "model_bytes": model_bytes(cfg_json), "knobs": set_measuring_knobs(args),
+                 "weight_formats": args.weights, "memory_cap_gib": args.memory_cap_gib}
     ckpt = None
     try:
-        if args.write_checkpoint and world > 1:  # the engine would join the ranks later; the writer needs them now
+        # the engine would join the ranks later; the writer needs them now
+        if args.write_checkpoint and world > 1:
             comm.init_distributed(comm.pick_device("auto"))
         for fmt in args.weights.split(","):
             if fmt not in ("bf16", "fp8"):

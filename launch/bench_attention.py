@@ -1,7 +1,8 @@
-"""Decode attention per layer call in a CUDA graph: flashinfer's graph decode wrapper against the decode kernel
-of tp_engine/kernels/decode_attention.py, over the same random pages (GPU only).
+"""Decode attention per layer call in a CUDA graph: flashinfer's graph decode wrapper against the decode
+kernel of tp_engine/kernels/decode_attention.py, over the same random pages (GPU only).
 
-    python launch/bench_attention.py --heads 32/4,16/8 --contexts 128,512,1024,2048 --batches 1,2,4,8,16,64,256
+    python launch/bench_attention.py --heads 32/4,16/8 --contexts 128,512,1024,2048 \\
+        --batches 1,2,4,8,16,64,256
 
 Prints one JSON line per (heads, context, batch): microseconds per call of each, the best of 5 replays of a
 graph of --layers calls, each over its own layer's cache (as a decode step reads them).
@@ -54,8 +55,9 @@ def measure(heads: int, kv_heads: int, ctx: int, bs: int, layers: int) -> dict:
     last = torch.full((bs,), ctx - (pages - 1) * S, dtype=torch.int32, device=dev)
     q = torch.randn(bs, heads, D, device=dev).to(BF16)
     fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(512 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=ids, paged_kv_last_page_len_buffer=last)
+        torch.zeros(512 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+        use_tensor_cores=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=ids,
+        paged_kv_last_page_len_buffer=last)
     fi.plan(indptr.cpu(), ids.cpu(), last.cpu(), heads, kv_heads, D, S, q_data_type=BF16, kv_data_type=BF16)
     kernel = PagedDecode(indptr, last, ids, heads, kv_heads, D, S)
     return {"heads": heads, "kv_heads": kv_heads, "context": ctx, "batch": bs,

@@ -1,5 +1,6 @@
-"""The few-token expert kernels (tp_engine/kernels/moe.py) over a sweep of tiles, on one token routed to k random
-experts of a layer of the given shape (GPU only). Prints one JSON line per kernel and tile, fastest first.
+"""The few-token expert kernels (tp_engine/kernels/moe.py) over a sweep of tiles, on one token routed to k
+random experts of a layer of the given shape (GPU only). Prints one JSON line per kernel and tile, the
+fastest first.
 
     python launch/bench_moe.py --experts 128 --hidden 2048 --inter 768 --top-k 8     # Qwen3-30B-A3B, TP=1
 
@@ -50,8 +51,8 @@ if __name__ == "__main__":
     act = moe._gate_up(x, gate_up, ROUTES[0], moe.GEMV_TILES[0])
     size = 2  # bytes per weight
     results = sweep(lambda r, t: moe._gate_up(x, gate_up, r, t),
-                    itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (2, 4, 8)), 2, k * 2 * i * h * size,
-                    "gate_up")
+                    itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (2, 4, 8)), 2,
+                    k * 2 * i * h * size, "gate_up")
     results += sweep(lambda r, t: moe._down(act, down, r, weights, t),
                      itertools.product((1, 2, 4, 8), (128, 256, 512), (2, 4, 8)), k, k * h * i * size, "down")
     for row in results:

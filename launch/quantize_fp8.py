@@ -1,14 +1,15 @@
 """Write a block-FP8 checkpoint, in the format of Qwen's *-FP8 releases, from a bf16 (fp16, fp32) Qwen3 one.
 
     python launch/quantize_fp8.py /models/Qwen3-8B /models/Qwen3-8B-fp8
-    python launch/quantize_fp8.py SRC DST --shard-size 2GB --device cuda --modules-to-not-convert model.layers.0.mlp
+    python launch/quantize_fp8.py SRC DST --shard-size 2GB --device cuda \\
+        --modules-to-not-convert model.layers.0.mlp
 
 Every projection weight of the decoder layers (q/k/v/o, gate/up/down; each expert's too) becomes
 `weight` (float8_e4m3fn) and `weight_scale_inv` (float32, one per 128 x 128 block): per block, scale = the
-largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_engine/checkpoint/quant.py). The
-embeddings, norms, the LM head and the MoE router are copied as they are. The output is sharded
-(model-0000k-of-0000n.safetensors with model.safetensors.index.json); config.json gains
-`quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`;
+largest magnitude / 448 and weight / scale rounded to the nearest fp8 value (tp_engine/checkpoint/quant.py).
+The embeddings, norms, the LM head and the MoE router are copied as they are. The output is sharded
+(model-0000k-of-0000n.safetensors with model.safetensors.index.json); config.json gains a
+`quantization_config` (quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [128, 128]);
 the other files (tokenizer, generation_config.json) are copied. DST must be a new folder (or one without a
 checkpoint): writing over the source would leave neither model loadable.
 """
@@ -29,9 +30,11 @@ from safetensors.torch import save_file  # noqa: E402
 
 from tp_engine.checkpoint.loader import checkpoint_files  # noqa: E402
 from tp_engine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable, quantize  # noqa: E402
+from tp_engine.checkpoint.quant import (BLOCK, QWEN_FP8_CONFIG, QuantConfig, is_quantizable,  # noqa: E402
+                                        quantize)
 
-BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}  # per element, for shard sizes
+# per element, for shard sizes
+BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
 
 
 def parse_size(text: str) -> int:
@@ -81,8 +84,9 @@ def check_skips(tensors: list[tuple[str, Path, bool, int]], skip: QuantConfig) -
     modules |= {engine_matmul(name) for name, *_ in tensors if ".mlp.experts." in name}  # a layer's experts
     for entry in skip.modules_to_not_convert:
         if not any(QuantConfig(modules_to_not_convert=(entry,)).skips(m) for m in modules):
-            raise SystemExit(f"--modules-to-not-convert {entry}: no module of the checkpoint has that name; use "
-                             "the checkpoint's names (q_proj, k_proj, v_proj, gate_proj, up_proj, mlp.experts, ...)")
+            raise SystemExit(f"--modules-to-not-convert {entry}: no module of the checkpoint has that name; "
+                             "use the checkpoint's names (q_proj, k_proj, v_proj, gate_proj, up_proj, "
+                             "mlp.experts, ...)")
     quantized: dict[str, dict[str, bool]] = {}
     for name, _, q, _ in tensors:
         if is_quantizable(name, (1, 1)):
@@ -90,9 +94,10 @@ def check_skips(tensors: list[tuple[str, Path, bool, int]], skip: QuantConfig) -
     for matmul, parts in quantized.items():
         if len(set(parts.values())) > 1:
             kept = [m for m, q in parts.items() if not q]
-            raise SystemExit(f"--modules-to-not-convert keeps {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}"
-                             f" unquantized but not the rest of {matmul} ({len(parts)} weights), which the engine "
-                             "runs as one matmul: name all of them, or their parent module")
+            raise SystemExit(f"--modules-to-not-convert keeps {', '.join(kept[:3])}"
+                             f"{' ...' if len(kept) > 3 else ''} unquantized but not the rest of {matmul} "
+                             f"({len(parts)} weights), which the engine runs as one matmul: name all of "
+                             "them, or their parent module")
 
 
 def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: str = "cpu",
@@ -133,7 +138,8 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
                     handles[file] = safe_open(str(file), framework="pt")
                 t = handles[file].get_tensor(name)
                 if q:
-                    if not torch.isfinite(t).all():  # its block's scale would be inf: the block would read as NaN
+                    # its block's scale would be inf: the block would read as NaN
+                    if not torch.isfinite(t).all():
                         raise SystemExit(f"{file.name}: tensor {name!r} holds NaN or infinite values")
                     w, s = quantize(t.to(device))
                     data[name], data[name + "_scale_inv"] = w.cpu(), s.cpu()
@@ -152,7 +158,8 @@ def quantize_checkpoint(src: str, dst: str, shard_bytes: int = 5 << 30, device: 
     config["quantization_config"] = qcfg
     (dst_dir / "config.json").write_text(json.dumps(config, indent=2))
     for f in src_dir.iterdir():  # tokenizer, generation_config.json, ...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and f.suffix != ".safetensors" and \
+                f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst_dir / f.name)
     return index
 
@@ -161,7 +168,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("dst", help="output directory")
-    p.add_argument("--shard-size", default="5GB", type=parse_size, help="largest output file (e.g. 5GB, 500MB)")
+    p.add_argument("--shard-size", default="5GB", type=parse_size,
+                   help="largest output file (e.g. 5GB, 500MB)")
     p.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for large models)")
     p.add_argument("--modules-to-not-convert", nargs="*", default=[], metavar="MODULE",
                    help="modules (checkpoint names) to keep unquantized; recorded in quantization_config")

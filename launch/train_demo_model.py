@@ -153,13 +153,15 @@ def train_tokenizer(text: str, out: Path):
                                  add_generation_prompt=True, enable_thinking=False)
     want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert got == want, repr(got)
-    got = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    got = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                 add_generation_prompt=True)
     assert got == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", repr(got)
     ids = hf(want, add_special_tokens=False)["input_ids"]
     assert ids[0] == hf.convert_tokens_to_ids("<|im_start|>") and hf.convert_tokens_to_ids("<think>") in ids
     assert hf.eos_token == "<|im_end|>" and hf.pad_token == "<|endoftext|>" and len(hf) == VOCAB_SIZE
     assert hf.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n<think>\n\n</think>\n\n"
-    ids = hf.backend_tokenizer.encode(text, add_special_tokens=False).ids  # (the HF call warns: text > max length)
+    # the backend tokenizer: the HF call warns of a text over its max length
+    ids = hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
     assert hf.decode(ids) == text, "tokenizer round trip failed"
     for piece in ("Hello, world!", "  two  spaces\n\nand\ttabs", "caf\u00e9 \u2014 na\u00efve"):
         assert hf.decode(hf(piece, add_special_tokens=False)["input_ids"]) == piece
@@ -172,7 +174,8 @@ def train_tokenizer(text: str, out: Path):
 def make_model(tokenizer):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    eot, im_end = tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen3Config(
         vocab_size=VOCAB_SIZE,
         **MODEL_SHAPE,
@@ -223,13 +226,14 @@ def make_batch(data: torch.Tensor, strip: dict[int, list[int]], batch: int, ctx:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch: int, ctx: int, peak_lr: float,
-          seed: int, log_every: int, strip_prob: float = 0.25):
+def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch: int, ctx: int,
+          peak_lr: float, seed: int, log_every: int, strip_prob: float = 0.25):
     data = torch.tensor(ids, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=peak_lr, betas=(0.9, 0.98), eps=1e-8)
     warmup = max(1, min(100, steps // 10))
     model.train()
@@ -239,7 +243,8 @@ def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch:
             g["lr"] = lr_at(step, steps, peak_lr, warmup)
         window = make_batch(data, strip, batch, ctx, gen, strip_prob)
         out = model(input_ids=window[:, :-1])
-        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), window[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                                 window[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,11 +273,13 @@ def full_loss(model, ids: list[int], ctx: int) -> float:
 @torch.no_grad()
 def greedy(model, tokenizer, prompt: str, n: int) -> str:
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-def evaluate(model, tokenizer, text: str, seed: int, n_phrases: int = 10, prompt_words: int = 8, new_tokens: int = 20):
+def evaluate(model, tokenizer, text: str, seed: int, n_phrases: int = 10, prompt_words: int = 8,
+             new_tokens: int = 20):
     rng = random.Random(seed)
     words = [m.start() for m in re.finditer(r"\S+", text)]
     hits = 0
@@ -315,14 +322,16 @@ def save(model, tokenizer, out: Path, eot: int, im_end: int) -> None:
                                                do_sample=False)
     model.save_pretrained(str(out), safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg.get("dtype", cfg.get("torch_dtype")) == "float32", cfg
+    dtype = cfg.get("dtype", cfg.get("torch_dtype"))
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and dtype == "float32", cfg
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [im_end, eot] and gen["do_sample"] is False, gen
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
     ap.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000)")
     ap.add_argument("--batch", type=int, default=16, help="windows per step (default: 16)")
     ap.add_argument("--ctx", type=int, default=128, help="tokens per window (default: 128)")
@@ -344,9 +353,11 @@ def main(argv=None) -> int:
     model, eot, im_end = make_model(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3ForCausalLM, {n_params} parameters, {json.dumps(MODEL_SHAPE)}")
-    loss, secs = train(model, ids, space_stripped(tokenizer), args.steps, args.batch, args.ctx, args.lr, args.seed, args.log_every)
+    loss, secs = train(model, ids, space_stripped(tokenizer), args.steps, args.batch, args.ctx, args.lr,
+                       args.seed, args.log_every)
     corpus_loss = full_loss(model, ids, args.ctx)
-    print(f"trained {args.steps} steps in {secs:.0f}s; last batch loss {loss:.4f}, whole-corpus loss {corpus_loss:.4f}")
+    print(f"trained {args.steps} steps in {secs:.0f}s; last batch loss {loss:.4f}, "
+          f"whole-corpus loss {corpus_loss:.4f}")
 
     save(model, tokenizer, out, eot, im_end)
     total = 0

@@ -14,9 +14,9 @@ FIRST = ("test_moe_kernels.py", "test_fp8_kernels.py", "test_mlp_kernel.py", "te
 
 
 def pytest_configure(config) -> None:
-    """Under pytest -n N each worker gets its share of the cores for torch's threads, in this process and the ones
-    it starts. Two threads a worker on two cores left each in-process test waiting on a thread the other worker
-    had descheduled: a test of 10 s alone took over 100 s next to another worker."""
+    """Under pytest -n N each worker gets its share of the cores for torch's threads, in this process and the
+    ones it starts. Two threads a worker on two cores left each in-process test waiting on a thread the other
+    worker had descheduled: a test of 10 s alone took over 100 s next to another worker."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         share = str(max(1, len(os.sched_getaffinity(0)) // workers))

@@ -48,8 +48,9 @@ def tiny_memorized(path) -> str:
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      max_position_embeddings=2048, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
     return memorize(Qwen3ForCausalLM(cfg), path)
 
@@ -90,7 +91,8 @@ def check_against(ref, prompt: list[int], ours: list[int], theirs: list[int]) ->
             logits = hf_logits(ref, prompt + ours[:j])[-1]
             gap = abs(logits[a] - logits[b]).item()
             bound = max(NEAR_TIE_ABS, NEAR_TIE_REL * max(abs(logits[a].item()), abs(logits[b].item())))
-            assert gap < bound, f"token {j}: {a} vs {b}, fp32 logits differ by {gap:.3f} (no near tie: >= {bound:.3f})"
+            assert gap < bound, \
+                f"token {j}: {a} vs {b}, fp32 logits differ by {gap:.3f} (no near tie: >= {bound:.3f})"
             return j
     return len(ours)
 
@@ -98,7 +100,8 @@ def check_against(ref, prompt: list[int], ours: list[int], theirs: list[int]) ->
 def assert_follows(ours, theirs, what: str) -> None:
     """Most tokens of `ours` come before the first difference from `theirs`, prompt by prompt (a quantized
     model against its bf16 original on a peaked model: rounding moves only rare near ties)."""
-    leading = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, theirs))
+    leading = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                  for x, y in zip(ours, theirs))
     total = sum(len(y) for y in theirs)
     assert leading >= LEADING_SHARE * total, f"{what} for only {leading} of {total} tokens"
 
@@ -107,7 +110,8 @@ def assert_parity(ref, prompts, ours, theirs) -> None:
     """Every difference at a near tie, and most tokens before the first difference of their prompt."""
     matched = sum(check_against(ref, p, a, b) for p, a, b in zip(prompts, ours, theirs))
     total = sum(len(a) for a in ours)
-    assert matched >= LEADING_SHARE * total, f"only {matched} of {total} greedy tokens before the first difference"
+    assert matched >= LEADING_SHARE * total, \
+        f"only {matched} of {total} greedy tokens before the first difference"
 
 
 def step_batch(prefill: bool, seq_lens, extend_lens, tables, page_size, dev):

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random checkpoints written with transformers, the HF reference, the CLI runner."""
+"""Shared test helpers: tiny random checkpoints written with transformers, the HF reference, the
+CLI runner."""
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ TP_GENERATE = [sys.executable, "-m", "tp_engine.launcher"]  # the tp-generate co
 
 
 def make_checkpoint(path: Path, *, vocab: int = 512, hidden: int = 64, inter: int = 128, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, head_dim: int = 32, tie: bool = False, max_pos: int = 512,
-                    shard: bool = False, v4_style: bool = False, eos: int | list | None = None, seed: int = 0,
-                    attention_bias: bool = False) -> Path:
+                    heads: int = 4, kv_heads: int = 2, head_dim: int = 32, tie: bool = False,
+                    max_pos: int = 512, shard: bool = False, v4_style: bool = False,
+                    eos: int | list | None = None, seed: int = 0, attention_bias: bool = False) -> Path:
     """A random Qwen3 checkpoint saved by transformers itself (its names, shapes and file layout)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -47,21 +48,23 @@ def make_checkpoint(path: Path, *, vocab: int = 512, hidden: int = 64, inter: in
     return path
 
 
-def make_moe_checkpoint(path: Path, *, vocab: int = 509, hidden: int = 64, inter: int = 96, moe_inter: int = 32,
-                        layers: int = 3, heads: int = 4, kv_heads: int = 1, head_dim: int = 16, experts: int = 8,
-                        top_k: int = 2, norm_topk_prob: bool = True, sparse_step: int = 1,
-                        mlp_only_layers: tuple[int, ...] = (), tie: bool = False, shard: bool = True, seed: int = 0,
-                        std: float = 0.08, dtype: torch.dtype = torch.float32) -> Path:
+def make_moe_checkpoint(path: Path, *, vocab: int = 509, hidden: int = 64, inter: int = 96,
+                        moe_inter: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 1,
+                        head_dim: int = 16, experts: int = 8, top_k: int = 2, norm_topk_prob: bool = True,
+                        sparse_step: int = 1, mlp_only_layers: tuple[int, ...] = (), tie: bool = False,
+                        shard: bool = True, seed: int = 0, std: float = 0.08,
+                        dtype: torch.dtype = torch.float32) -> Path:
     """A random Qwen3-MoE checkpoint saved by transformers (per-expert tensor names; sharded with an index, as
     published checkpoints are)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=moe_inter,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
-                         norm_topk_prob=norm_topk_prob, decoder_sparse_step=sparse_step,
-                         mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=tie, max_position_embeddings=512,
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                         moe_intermediate_size=moe_inter, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                         decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only_layers),
+                         tie_word_embeddings=tie, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # peaked logits and routing: ties are rare
@@ -110,20 +113,22 @@ if results[next(iter(results))] is not None:
 """
 
 
-def api_job(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int, tmp_path: Path) -> dict:
+def api_job(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int,
+            tmp_path: Path) -> dict:
     """{name: rank 0's outputs} of each checkpoint in `models`, through the Python API in one torchrun job of
     `tp` ranks (a job per checkpoint would spend most of its time starting processes)."""
     script = tmp_path / "job.py"
-    script.write_text(API_JOB.format(root=str(ROOT), models={k: str(v) for k, v in models.items()}, prompts=prompts,
-                                     sampling=sampling, out=str(tmp_path / "results.json")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "--standalone",
-                           str(script)], capture_output=True, text=True, timeout=300,
+    script.write_text(API_JOB.format(root=str(ROOT), models={k: str(v) for k, v in models.items()},
+                                     prompts=prompts, sampling=sampling, out=str(tmp_path / "results.json")))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
+                           "--standalone", str(script)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "results.json").read_text())
 
 
-def api_outputs(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int, tmp_path: Path) -> dict:
+def api_outputs(models: dict[str, Path], prompts: list[list[int]], sampling: dict, tp: int,
+                tmp_path: Path) -> dict:
     """As `api_job`; at TP 1 in this process (no job to start)."""
     if tp > 1:
         return api_job(models, prompts, sampling, tp, tmp_path)
@@ -151,7 +156,8 @@ def run_cli(cfg: dict, tmp_path: Path, nproc: int = 0, args: tuple = (), timeout
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = Path(cfg["output"])
-    lines = [json.loads(line) for line in out.read_text().splitlines()] if read_output and out.is_file() else []
+    read = read_output and out.is_file()
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if read else []
     return proc, lines
 
 
@@ -167,7 +173,8 @@ def start_job(cfg, tmp_path, nproc=2, script=GENERATE, name="job", stderr=subpro
                str(script)]
     cmd += ["--config", str(conf)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            start_new_session=True)
 
 
 def wait_for_lines(out, n, proc, limit=120):

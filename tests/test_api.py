@@ -27,9 +27,10 @@ llm.shutdown()
 def test_python_api_under_torchrun(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     script = tmp_path / "user_script.py"
-    script.write_text(API_SCRIPT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=str(tmp_path / "rank")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(script)], capture_output=True, text=True, timeout=120,
+    script.write_text(API_SCRIPT.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
+                                        out=str(tmp_path / "rank")))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--standalone", str(script)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "rank1").read_text()) is None  # other ranks follow rank 0 and get None
@@ -42,7 +43,8 @@ import atexit, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from tp_engine import LLM, SamplingParams
-atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))  # after LLM's; one write
+# after LLM's; one write
+atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))
 llm = LLM(model={model!r}, device="cpu")
 llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
 """
@@ -51,9 +53,10 @@ llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
 def test_a_script_that_forgets_shutdown_leaves_the_group_at_exit(tmp_path):
     """Without shutdown(), gloo's threads met interpreter teardown: some runs aborted after their results."""
     script = tmp_path / "no_shutdown.py"
-    script.write_text(NO_SHUTDOWN.format(root=str(ROOT), model=str(make_checkpoint(tmp_path / "m")), prompts=PROMPTS))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(script)], capture_output=True, text=True, timeout=120,
+    script.write_text(NO_SHUTDOWN.format(root=str(ROOT),
+                                         model=str(make_checkpoint(tmp_path / "m")), prompts=PROMPTS))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--standalone", str(script)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("group at exit: False") == 2, proc.stdout
@@ -85,8 +88,8 @@ llm.shutdown()
 def run_script(tmp_path, text, timeout=120):
     script = tmp_path / "user_script.py"
     script.write_text(text)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(script)], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--standalone", str(script)], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -104,15 +107,16 @@ def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(t
 
 def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_path):
     """A generate() started from an on_finish callback took the running call's KV pages and page tables: it
-    failed with an internal AssertionError ("step message keeps 3 pages of slot 1, which has 0"). The options: a
-    model folder given as a Path; overrides given as one string were read a character at a time."""
+    failed with an internal AssertionError ("step message keeps 3 pages of slot 1, which has 0"). The options:
+    a model folder given as a Path; overrides given as one string were read a character at a time."""
     from pathlib import Path
 
     from tp_engine import LLM, SamplingParams
     model = make_checkpoint(tmp_path / "m")
     with pytest.raises(TypeError, match="overrides must be a list of 'key=value' strings; got the string"):
         LLM(model=str(model), device="cpu", overrides="sampling.temperature=0.7")
-    llm = LLM(model=Path(model), device="cpu", max_prefill_tokens=16)  # the long prompts still run when 0 ends
+    # the long prompts still run when 0 ends
+    llm = LLM(model=Path(model), device="cpu", max_prefill_tokens=16)
     params = SamplingParams(max_new_tokens=6)
     prompts = [{"input_ids": [1, 2, 3]}] + [{"input_ids": list(range(7 + i, 47 + i))} for i in range(3)]
 
@@ -120,7 +124,8 @@ def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_pat
         if out["index"] == 0:
             llm.generate(PROMPTS[:1], params)
 
-    with pytest.raises(RuntimeError, match="generate.. was called from a callback of a generate.. call that is still"):
+    with pytest.raises(RuntimeError,
+                       match="generate.. was called from a callback of a generate.. call that is still"):
         llm.generate(prompts, params, on_finish=again)
     want = hf_generate(model, [p["input_ids"] for p in prompts], 6)
     assert [o["output_token_ids"] for o in llm.generate(prompts, params)] == want
@@ -133,7 +138,8 @@ def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monk
     from tp_engine import LLM, SamplingParams
     from tp_engine.runtime import engine
     model = make_checkpoint(tmp_path / "m")
-    prompts = [{"input_ids": list(range(5, 45))}, {"input_ids": list(range(5, 40))}]  # pages the prefix cache keeps
+    # pages the prefix cache keeps
+    prompts = [{"input_ids": list(range(5, 45))}, {"input_ids": list(range(5, 40))}]
     llm = LLM(model=str(model), device="cpu", kv_cache={"page_size": 8})
     forward, calls = engine.Engine.forward, []
 
@@ -183,12 +189,13 @@ second.shutdown()
 
 
 def test_a_dropped_llm_is_freed_before_the_next_one_starts(tmp_path):
-    """An LLM the caller drops may keep its memory (on a GPU: weights, KV cache, CUDA graphs) in reference cycles
-    until the garbage collector runs. The next LLM then sized its KV pool without that memory, and its CUDA-graph
-    capture failed when the collector freed the old graphs in the middle of it. A new LLM collects first."""
+    """An LLM the caller drops may keep its memory (on a GPU: weights, KV cache, CUDA graphs) in reference
+    cycles until the garbage collector runs. The next LLM then sized its KV pool without that memory, and its
+    CUDA-graph capture failed when the collector freed the old graphs in the middle of it. A new LLM collects
+    first."""
     model = str(make_checkpoint(tmp_path / "m"))
-    proc = subprocess.run([sys.executable, "-c", CYCLE.format(root=str(ROOT), model=model)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", CYCLE.format(root=str(ROOT), model=model)],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "alive when the next engine started: [False]" in proc.stdout, proc.stdout
 
@@ -288,7 +295,8 @@ def hf_and_rank0_runs(tmp_path, script: str) -> tuple[list, list]:
     proc = run_script(tmp_path, script.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
                                               out=str(tmp_path / "rank")))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return hf_generate(model, [p["input_ids"] for p in PROMPTS], 6), json.loads((tmp_path / "rank0").read_text())
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS], 6)
+    return want, json.loads((tmp_path / "rank0").read_text())
 
 
 TWO_LLMS = """
@@ -296,7 +304,8 @@ import atexit, json, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from tp_engine import LLM, SamplingParams
-atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))  # after LLM's; one write
+# after LLM's; one write
+atexit.register(lambda: os.write(1, f"group at exit: {{dist.is_initialized()}}\\n".encode()))
 params = SamplingParams(max_new_tokens=6)
 first, second, dropped = (LLM(model={model!r}, device="cpu", timeout_s=30) for _ in range(3))
 del dropped  # never shut down: the exit handler counts it
@@ -362,7 +371,8 @@ def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
     through the latest LLM's group."""
     model = make_checkpoint(tmp_path / "m")
     out = str(tmp_path / "rank")
-    proc = run_script(tmp_path, OWN_TIMEOUT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
+    proc = run_script(tmp_path,
+                      OWN_TIMEOUT.format(root=str(ROOT), model=str(model), prompts=PROMPTS, out=out))
     assert (tmp_path / "rank1").is_file(), proc.stderr[-3000:]  # not there: patient failed
     follower = json.loads((tmp_path / "rank1").read_text())
     assert follower["error"] is not None and "timeout_s" in follower["error"], (follower, proc.stderr[-3000:])
@@ -414,8 +424,8 @@ def test_a_later_llm_started_differently_on_each_rank_says_so(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     proc = run_script(tmp_path, MISMATCH.format(root=str(ROOT), model=str(model)))
     for rank in (0, 1):
-        assert f"rank {rank}: StartupError: ranks were started with different configurations" in proc.stdout, \
-            proc.stdout + proc.stderr[-3000:]
+        said = f"rank {rank}: StartupError: ranks were started with different configurations"
+        assert said in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 CHANNELS = """
@@ -432,14 +442,16 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 
 
 def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp_path):
-    """The second LLM closed the shared-memory channel the first one still used (TypeError in its next step)."""
+    """The second LLM closed the shared-memory channel the first one still used (TypeError in its next
+    step)."""
     want, outs = hf_and_rank0_runs(tmp_path, CHANNELS)
     assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 2
 
 
 def test_help_lists_every_key_and_print_config_merges(tmp_path):
     from tp_engine.base.config import SCHEMA
-    out = subprocess.run([sys.executable, str(GENERATE), "--help"], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run([sys.executable, str(GENERATE), "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
     for key in SCHEMA:
         assert f"  {key} = " in out, key
     assert "--set" in out and "sampling.temperature=0.7" in out
@@ -482,10 +494,11 @@ def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step messages go through gloo" not in proc.stderr  # the mailbox was set up
     assert "leaked shared_memory" not in proc.stderr  # the ranks exit without tearing down: nothing is left
-    assert [x["output_token_ids"] for x in shm] == hf_generate(model, [p["input_ids"] for p in PROMPTS * 3], 8)
+    want = hf_generate(model, [p["input_ids"] for p in PROMPTS * 3], 8)
+    assert [x["output_token_ids"] for x in shm] == want
     # a start-up refusal (here of a resume) leaves no mailbox behind either, and says one thing
-    proc, _ = run_cli({**cfg, "advanced": {"step_channel": "shm"}, "resume": True, "seed": 1}, tmp_path, nproc=2,
-                      name="shm")
+    proc, _ = run_cli({**cfg, "advanced": {"step_channel": "shm"}, "resume": True, "seed": 1}, tmp_path,
+                      nproc=2, name="shm")
     assert proc.returncode != 0 and "resume:" in proc.stderr
     assert "leaked shared_memory" not in proc.stderr
 
@@ -506,7 +519,8 @@ def test_dummy_weights_from_config_alone(tmp_path):
     cfg_only = tmp_path / "shape"
     cfg_only.mkdir()
     (cfg_only / "config.json").write_text((src / "config.json").read_text())  # no weights, no tokenizer
-    cfg = {"model": str(cfg_only), "load_format": "dummy", "prompts": PROMPTS, "sampling": {"max_new_tokens": 5}}
+    cfg = {"model": str(cfg_only), "load_format": "dummy", "prompts": PROMPTS,
+           "sampling": {"max_new_tokens": 5}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [len(x["output_token_ids"]) for x in lines] == [5, 5]
@@ -515,16 +529,17 @@ def test_dummy_weights_from_config_alone(tmp_path):
 
 
 def test_kv_pool_with_its_scratch_page_stays_within_the_byte_budget(tmp_path, monkeypatch):
-    """The pool sized from a byte budget (CPU_KV_BYTES here; the GPU's share of free memory the same way) counts
-    the scratch page the padded rows write to: all of it fits the budget, and requests get one page less."""
+    """The pool sized from a byte budget (CPU_KV_BYTES here; the GPU's share of free memory the same way)
+    counts the scratch page the padded rows write to: all of it fits the budget, and requests get one page
+    less."""
     from tp_engine import LLM
     from tp_engine.attention import kv_cache
     from tp_engine.attention.kv_cache import KVCache
 
     model = make_checkpoint(tmp_path / "m")
     cfg = json.loads((model / "config.json").read_text())
-    per_page = KVCache.bytes_per_page(cfg["num_hidden_layers"], 16, cfg["num_key_value_heads"], cfg["head_dim"],
-                                      torch.float32)
+    per_page = KVCache.bytes_per_page(cfg["num_hidden_layers"], 16, cfg["num_key_value_heads"],
+                                      cfg["head_dim"], torch.float32)
     monkeypatch.setattr(kv_cache, "CPU_KV_BYTES", 10 * per_page)
     llm = LLM(model=str(model), device="cpu")
     kv = llm.engine.kv

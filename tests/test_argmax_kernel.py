@@ -1,5 +1,6 @@
-"""The arg-max kernels (tp_engine/kernels/sampling.py: `argmax`, `gumbel_argmax`) in Triton's interpreter, without a
-GPU, against torch.argmax and the sampler's torch path. Skips without Triton (it comes with CUDA builds of torch)."""
+"""The arg-max kernels (tp_engine/kernels/sampling.py: `argmax`, `gumbel_argmax`) in Triton's interpreter,
+without a GPU, against torch.argmax and the sampler's torch path. Skips without Triton (it comes with CUDA
+builds of torch)."""
 import pytest
 
 from triton_interpreter import run_script
@@ -40,7 +41,8 @@ for step in range(4):
     got = sampling.gumbel_argmax(x, rows, temps, hashes)
     assert torch.equal(got, want), (step, got, want)
 
-# bf16 logits (a CUDA graph's) are read as their fp32 values: the same picks as on the fp32 copy, ties included
+# bf16 logits (a CUDA graph's) are read as their fp32 values: the same picks as on the fp32 copy, ties
+# included
 bf = x.to(torch.bfloat16)
 assert torch.equal(sampling.argmax(bf), bf.float().argmax(dim=-1))
 hashes = row_hash(torch.arange(len(rows)) * 7919 + 3, torch.full((len(rows),), 5))
@@ -51,8 +53,9 @@ print("interpreter ok")
 
 
 def test_argmax_kernels_pick_as_torch_argmax_in_interpreter(tmp_path):
-    """Greedy and temperature draws in one launch each: the chunks' bests merged by the row's last program pick
-    exactly torch.argmax's id (the lowest id of the maximum, the first NaN before all), across chunk boundaries."""
+    """Greedy and temperature draws in one launch each: the chunks' bests merged by the row's last program
+    pick exactly torch.argmax's id (the lowest id of the maximum, the first NaN before all), across chunk
+    boundaries."""
     run_script(SCRIPT, tmp_path)
 
 
@@ -63,7 +66,8 @@ from tp_engine.attention.flashinfer_backend import slot_rows
 from tp_engine.kernels import sampling
 
 last = torch.tensor([11, 12, 13, 14, 15])
-ids = torch.tensor([-1, 7, -5, -2, 0, -3, 9])  # references -1 - row to the previous step's tokens, and plain ids
+# references -1 - row to the previous step's tokens, and plain ids
+ids = torch.tensor([-1, 7, -5, -2, 0, -3, 9])
 want = torch.where(ids >= 0, ids, last[(-1 - ids).clamp(min=0)])
 loc = torch.tensor([0, 15, 16, 31, 32, 1000, 4095])  # page starts and ends
 for page_size in (1, 16, 64):
@@ -81,6 +85,6 @@ print("interpreter ok")
 
 
 def test_resolve_kernel_also_gives_the_kv_rows_in_interpreter(tmp_path):
-    """A decode graph's first launch: the previous step's tokens into the input ids and each token's K and V cache
-    rows, as step_tokens.resolve's torch path and flashinfer_backend.slot_rows compute them."""
+    """A decode graph's first launch: the previous step's tokens into the input ids and each token's K and V
+    cache rows, as step_tokens.resolve's torch path and flashinfer_backend.slot_rows compute them."""
     run_script(RESOLVE_SCRIPT, tmp_path)

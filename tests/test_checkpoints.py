@@ -37,8 +37,8 @@ def test_a_folder_saved_again_whole_reads_model_safetensors_not_its_stale_index(
 
 @pytest.mark.parametrize("index", [True, False])
 def test_a_tensor_in_two_files_is_refused(tmp_path, index):
-    """Which copy transformers takes depends on its version (5.24 takes the stray copy whichever file it is in);
-    the engine took the one in the file it read last, silently."""
+    """Which copy transformers takes depends on its version (5.24 takes the stray copy whichever file it is
+    in); the engine took the one in the file it read last, silently."""
     path = make_checkpoint(tmp_path / "m", shard=True)
     weight_map = index_of(path)
     if not index:
@@ -78,13 +78,15 @@ def test_a_tied_checkpoint_whose_head_differs_is_refused(tmp_path, tp):
     proc, lines = run_cli({"model": str(path), "prompts": [{"input_ids": PROMPTS[0]}]}, tmp_path, nproc=tp)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and not lines and len(errors) == 1, proc.stderr[-2000:]
-    assert "lm_head.weight in model.safetensors differs from model.embed_tokens.weight, while config.json sets " \
-           "tie_word_embeddings: true" in errors[0]
+    assert "lm_head.weight in model.safetensors differs from model.embed_tokens.weight, while config.json " \
+           "sets tie_word_embeddings: true" in errors[0]
     assert 'tp_engine/' not in proc.stderr  # no traceback from the engine on any rank
 
 
-@pytest.mark.parametrize("field,kw", [("head_dim", dict(hidden=64, heads=4, kv_heads=2, head_dim=128)),
-                                      ("num_key_value_heads", dict(hidden=64, heads=64, kv_heads=32, head_dim=4))])
+@pytest.mark.parametrize("field,kw", [
+    ("head_dim", dict(hidden=64, heads=4, kv_heads=2, head_dim=128)),
+    ("num_key_value_heads", dict(hidden=64, heads=64, kv_heads=32, head_dim=4)),
+])
 def test_fields_config_json_leaves_out_take_transformers_defaults(tmp_path, field, kw):
     """Qwen3Config's defaults: head_dim 128 (not hidden / heads), num_key_value_heads 32."""
     path = make_checkpoint(tmp_path / "m", **kw)
@@ -95,11 +97,12 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(tmp_path, fiel
 
 
 def test_a_float64_checkpoint_loads_as_transformers_loads_it(tmp_path):
-    """float64 weights (transformers saves them; the FP8 quantizer copies a float64 source's embeddings, norms and
-    LM head as they are) were refused: 'dtype F64 is not supported'."""
+    """float64 weights (transformers saves them; the FP8 quantizer copies a float64 source's embeddings, norms
+    and LM head as they are) were refused: 'dtype F64 is not supported'."""
     path = make_checkpoint(tmp_path / "m")
     tensors = load_file(str(path / "model.safetensors"))
-    save_file({k: v.double() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.double() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)
 
 
@@ -126,7 +129,8 @@ def test_a_weight_file_that_is_a_broken_link_or_an_index_that_is_not_utf8_is_nam
         checkpoint_files(str(tmp_path))
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a valid safetensors index"):
+    with pytest.raises(CheckpointError,
+                       match="model.safetensors.index.json is not a valid safetensors index"):
         checkpoint_files(str(tmp_path))
 
 
@@ -139,7 +143,8 @@ def _edit_config(path, **changes):
 
 
 @pytest.mark.parametrize("changes", [{"use_sliding_window": True},  # sliding_window null, as Qwen3 ships it
-                                     {"use_sliding_window": True, "sliding_window": 4},  # layer_types: all full
+                                     # layer_types: all full
+                                     {"use_sliding_window": True, "sliding_window": 4},
                                      {"use_sliding_window": True, "sliding_window": 4, "layer_types": ...}])
 def test_use_sliding_window_where_no_layer_slides_loads_as_transformers_runs_it(tmp_path, changes):
     """transformers slides no layer of these (a window of 4 would change its tokens): full attention, as here.
@@ -155,7 +160,8 @@ def test_a_layer_with_a_sliding_window_is_refused_naming_it(tmp_path, changes):
     path = make_checkpoint(tmp_path / "m")
     _edit_config(path, use_sliding_window=True, sliding_window=4, **changes)
     with pytest.raises(StartupError, match=r"config.json: sliding-window attention is not supported "
-                                           r"\(use_sliding_window=true with sliding_window=4 makes layer 1 use it\)"):
+                                           r"\(use_sliding_window=true with sliding_window=4 makes layer 1 "
+                                           r"use it\)"):
         LLM(model=str(path), device="cpu")
 
 
@@ -168,13 +174,17 @@ def test_an_absent_sliding_window_is_transformers_default_window(tmp_path):
 
 
 def test_rope_scaling_beside_rope_parameters_is_what_transformers_uses(tmp_path):
-    """transformers 5 writes rope_parameters; a rope_scaling added beside it (as Qwen's model cards describe for
-    YaRN) replaces it there. The engine read rope_parameters alone: it ran default RoPE, other tokens, silently."""
+    """transformers 5 writes rope_parameters; a rope_scaling added beside it (as Qwen's model cards describe
+    for YaRN) replaces it there. The engine read rope_parameters alone: it ran default RoPE, other tokens,
+    silently."""
     path = make_checkpoint(tmp_path / "yarn")
-    _edit_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    _edit_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 128})
     with pytest.raises(StartupError, match="rope scaling type 'yarn' is not supported"):
         LLM(model=str(path), device="cpu")
-    # the same rule for rope_theta: a rope_scaling without it takes the top-level one (or 10000), as transformers
+    # the same rule for rope_theta: a rope_scaling without it takes the top-level one (or 10000), as
+    # transformers does
     path = make_checkpoint(tmp_path / "theta")
-    _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "default"})
+    _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                 rope_scaling={"type": "default"})
     assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)

@@ -1,5 +1,6 @@
-"""The config errors a new user meets first: a key written without its section or under a misspelt section, and a
-`model` that is a file or a relative path that is not there. Each message names what to write instead."""
+"""The config errors a new user meets first: a key written without its section or under a misspelt section,
+and a `model` that is a file or a relative path that is not there. Each message names what to write
+instead."""
 
 import pytest
 
@@ -51,11 +52,11 @@ def test_misspelt_section_in_a_file_suggests_the_section(tmp_path):
 
 def test_model_that_is_a_file_is_called_a_file():
     msg = error(f"model={DEMO / 'config.json'}")
-    assert msg == f"config key 'model': {DEMO / 'config.json'} is a file; give the checkpoint's folder (config.json, " \
-        "*.safetensors)"
+    assert msg == f"config key 'model': {DEMO / 'config.json'} is a file; give the checkpoint's folder " \
+        "(config.json, *.safetensors)"
 
 
 def test_relative_model_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert error("model=models/demo") == (f"config key 'model': directory not found: models/demo (looked for from "
-                                          f"{tmp_path}; a path in the config file also from its folder)")
+    assert error("model=models/demo") == (f"config key 'model': directory not found: models/demo (looked for "
+                                          f"from {tmp_path}; a path in the config file also from its folder)")

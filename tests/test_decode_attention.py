@@ -20,8 +20,8 @@ from tp_engine.kernels import decode_attention as da
 
 g = torch.Generator().manual_seed(0)
 merged = 0
-for heads, kvh, page, lens, splits in ((4, 2, 16, [1, 17, 40], 4), (8, 1, 4, [100, 3], 8), (16, 1, 16, [70], 2),
-                                       (4, 4, 4, [9, 33], 3)):
+for heads, kvh, page, lens, splits in ((4, 2, 16, [1, 17, 40], 4), (8, 1, 4, [100, 3], 8),
+                                       (16, 1, 16, [70], 2), (4, 4, 4, [9, 33], 3)):
     d = 64
     counts = [-(-n // page) for n in lens]
     pool = len(lens) * 30 + 2
@@ -36,8 +36,8 @@ for heads, kvh, page, lens, splits in ((4, 2, 16, [1, 17, 40], 4), (8, 1, 4, [10
     cache = torch.randn(pool, 2, page, kvh, d, generator=g).to(torch.bfloat16)
     q = torch.randn(len(lens), heads, d, generator=g).to(torch.bfloat16)
     # several programs per request from 33 tokens on
-    dec = da.PagedDecode(indptr, last, torch.tensor(ids, dtype=torch.int32), heads, kvh, d, page, splits=splits,
-                         block_t=32, min_chunk=32)
+    dec = da.PagedDecode(indptr, last, torch.tensor(ids, dtype=torch.int32), heads, kvh, d, page,
+                         splits=splits, block_t=32, min_chunk=32)
     want = paged_attention_reference(q, cache, [ids[a:b] for a, b in zip(indptr[:-1], indptr[1:])], lens)
     for _ in range(2):
         got = dec.run(q, cache).double()
@@ -95,15 +95,16 @@ for heads, kvh, page, lens in ((4, 2, 16, [1, 17, 40]), (8, 1, 4, [100, 3]), (4,
     rows = want_cache.view(-1, kvh, d)
     rows[k_rows], rows[k_rows + page] = kt, vt.reshape(-1, kvh, d)
 
-    q = qk_norm_rope_store(qkv, q_norm.weight, k_norm.weight, 1e-6, rope.cos, rope.sin, positions, k_rows, cache,
-                           heads, kvh, d, page)
+    q = qk_norm_rope_store(qkv, q_norm.weight, k_norm.weight, 1e-6, rope.cos, rope.sin, positions, k_rows,
+                           cache, heads, kvh, d, page)
     assert torch.equal(q, qt), (heads, kvh, "Q differs from the torch layers'")
     assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16)), (heads, kvh, "K/V differ")
     ids = torch.tensor(sum(pages, []), dtype=torch.int32)
     indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
     last = torch.tensor([n - (c - 1) * page for n, c in zip(lens, counts)], dtype=torch.int32)
     dec = da.PagedDecode(indptr, last, ids, heads, kvh, d, page, splits=3, block_t=32, min_chunk=32)
-    err = (dec.run(q, cache).double() - paged_attention_reference(qt, want_cache, pages, lens)).abs().max().item()
+    ref = paged_attention_reference(qt, want_cache, pages, lens)
+    err = (dec.run(q, cache).double() - ref).abs().max().item()
     assert err < 2e-2, (heads, kvh, page, lens, err)
 print("interpreter ok")
 """
@@ -111,24 +112,25 @@ print("interpreter ok")
 
 @pytest.mark.filterwarnings("ignore")
 def test_qk_norm_rope_store_equals_the_torch_layers_in_interpreter(tmp_path):
-    """The graphs' decode path before attention: `qk_norm_rope_store` gives the Q and writes the K/V of the torch
-    layers bit for bit (RMSNorm, RoPE, an index_put into the page), and the decode kernel then attends as
-    float64 attention over what the torch layers computed."""
+    """The graphs' decode path before attention: `qk_norm_rope_store` gives the Q and writes the K/V of the
+    torch layers bit for bit (RMSNorm, RoPE, an index_put into the page), and the decode kernel then attends
+    as float64 attention over what the torch layers computed."""
     run_script(QK_SCRIPT, tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore")
 def test_decode_kernel_reads_the_page_table_and_prefetches_before_waiting():
     """With programmatic dependent launch the kernel does all it can before it waits for the kernel before it
-    (which writes q and the newest token's K and V): it reads its page table and starts the first tile's K and V
-    rows into the L2 cache. Compiled for sm_90 on Qwen3-8B's heads: the prefetches come before the wait, and
+    (which writes q and the newest token's K and V): it reads its page table and starts the first tile's K and
+    V rows into the L2 cache. Compiled for sm_90 on Qwen3-8B's heads: the prefetches come before the wait, and
     nothing spills."""
     from sm90 import compile_sm90, spills
 
     from tp_engine.kernels import decode_attention as da
 
-    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "indptr_ptr": "*i32", "last_ptr": "*i32", "ids_ptr": "*i32",
-             "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32"}
+    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "indptr_ptr": "*i32", "last_ptr": "*i32",
+             "ids_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+             "count_ptr": "*i32", "scale_log2": "fp32"}
     consts = dict(H=32, KVH=8, G=4, GP=16, D=128, PAGE=16, SPLITS=32, BLOCK_T=128, LINES=2, PDL=True)
     k = compile_sm90(da._decode_kernel, types, consts, da.WARPS, da.STAGES)
     ptx = k.asm["ptx"]
@@ -148,6 +150,7 @@ def test_qk_norm_rope_store_reads_its_norm_weights_before_waiting():
 
     types = {name: "*bf16" for name in ("qkv_ptr", "q_out_ptr", "qw_ptr", "kw_ptr", "cache_ptr")}
     types.update(cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", rows_ptr="*i64", eps="fp32", inv_d="fp32")
-    k = compile_sm90(norm._qk_norm_rope_store_kernel, types, dict(H=32, KVH=8, D=128, PAGE=16, PDL=True), 1, 1)
+    k = compile_sm90(norm._qk_norm_rope_store_kernel, types,
+                     dict(H=32, KVH=8, D=128, PAGE=16, PDL=True), 1, 1)
     ptx = k.asm["ptx"]
     assert ptx.count("ld.global", 0, ptx.index("griddepcontrol.wait")) == 4

@@ -33,8 +33,8 @@ def test_demo_config_runs_as_the_readme_says():
     torchrun with launch/generate.py, prints: one JSON line per prompt, piped."""
     conf = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     launchers = {"tp-generate": [*TP_GENERATE, "--nproc_per_node=2"],
-                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                              str(GENERATE)]}
+                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--standalone", str(GENERATE)]}
     stdout = {}
     for name, launcher in launchers.items():
         proc = subprocess.run([*launcher, "--config", "configs/demo.yaml"], capture_output=True, text=True,
@@ -63,13 +63,15 @@ def test_chat_template_with_options(tmp_path):
 
 
 def test_stop_strings_end_a_request(tmp_path):
-    cfg = {"model": str(DEMO), "prompts": [PHRASES[0]], "sampling": {"max_new_tokens": 40, "stop": [" sister"]}}
+    cfg = {"model": str(DEMO), "prompts": [PHRASES[0]],
+           "sampling": {"max_new_tokens": 40, "stop": [" sister"]}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[0]["finish_reason"] == "stop"
     assert lines[0]["text"] == " of sitting by her"  # cut before the stop string
     n = len(lines[0]["output_token_ids"])  # the stop string completes on the last allowed token: still "stop"
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": n, "stop": [" sister"]}}, tmp_path, name="edge")
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": n, "stop": [" sister"]}},
+                          tmp_path, name="edge")
     assert (lines[0]["finish_reason"], lines[0]["text"]) == ("stop", " of sitting by her")
 
 

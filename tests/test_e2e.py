@@ -57,17 +57,20 @@ def test_eos_from_generation_config_stops_like_transformers(tmp_path):
     eos = free_run[3]  # a token greedy decoding reaches, so both engines must stop on it
     path = make_checkpoint(tmp_path / "eos", eos=eos)
     want = hf_generate(path, PROMPTS, MAX_NEW)
-    cfg = {"model": str(path), "prompts": [{"input_ids": p} for p in PROMPTS], "sampling": {"max_new_tokens": MAX_NEW}}
+    cfg = {"model": str(path), "prompts": [{"input_ids": p} for p in PROMPTS],
+           "sampling": {"max_new_tokens": MAX_NEW}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line["output_token_ids"] for line in lines] == want
     assert lines[0]["finish_reason"] == "stop" and lines[0]["output_token_ids"][-1] == eos
     # ignore_eos runs on to max_new_tokens, through the EOS token
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}, tmp_path, name="ign")
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True}},
+                          tmp_path, name="ign")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[0]["output_token_ids"] == free_run and lines[0]["finish_reason"] == "length"
     # stop_token_ids end a request like EOS
     stop = free_run[1]
-    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True, "stop_token_ids": [stop]}},
+    proc, lines = run_cli({**cfg, "sampling": {"max_new_tokens": MAX_NEW, "ignore_eos": True,
+                                               "stop_token_ids": [stop]}},
                           tmp_path, name="stopids")
     assert lines[0]["output_token_ids"] == free_run[:2] and lines[0]["finish_reason"] == "stop"

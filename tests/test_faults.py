@@ -1,4 +1,5 @@
-"""Bad input and faults, through the real CLI under torchrun: one clear message, a line per prompt, no hangs."""
+"""Bad input and faults, through the real CLI under torchrun: one clear message, a line per prompt, no
+hangs."""
 import json
 import re
 import os
@@ -38,7 +39,8 @@ def assert_fails_once(proc, *needles, took=None):
     assert len(errs) == 1, proc.stderr[-3000:]  # printed once, not once per rank
     for needle in needles:
         assert needle in errs[0], errs[0]
-    assert not re.search(r'File ".*(tp_engine|launch)/', proc.stderr)  # no traceback from our code on any rank
+    # no traceback from our code on any rank
+    assert not re.search(r'File ".*(tp_engine|launch)/', proc.stderr)
     if took is not None:
         assert took < 60
 
@@ -55,7 +57,8 @@ def variant(tmp_path, ckpt, name):
 # ---- configuration ----
 
 CONFIG_CASES = {
-    "unknown_key": ({"sampling": {"temprature": 0.5, "max_new_tokens": 8}}, ["sampling.temprature", "sampling.temperature"]),
+    "unknown_key": ({"sampling": {"temprature": 0.5, "max_new_tokens": 8}},
+                    ["sampling.temprature", "sampling.temperature"]),
     "wrong_type": ({"sampling": {"max_new_tokens": "ten"}}, ["sampling.max_new_tokens", "integer", "ten"]),
     "negative_temperature": ({"sampling": {"temperature": -0.5}}, ["sampling.temperature", ">= 0", "-0.5"]),
     "top_p_out_of_range": ({"sampling": {"top_p": 1.5}}, ["sampling.top_p", "(0, 1]"]),
@@ -66,8 +69,8 @@ CONFIG_CASES = {
     "cuda_without_gpu": ({"device": "cuda"}, ["cuda", "no CUDA device"]),
     "flashinfer_on_cpu": ({"attention_backend": "flashinfer"}, ["flashinfer", "cuda"]),
     "max_model_len_past_rope_table": ({"max_model_len": 100000}, ["100000", "max_position_embeddings 512"]),
-    "bad_advanced_choice": ({"advanced": {"all_reduce": "fast"}}, ["advanced.all_reduce", "auto, push, symm, nccl",
-                                                                   "fast"]),
+    "bad_advanced_choice": ({"advanced": {"all_reduce": "fast"}},
+                            ["advanced.all_reduce", "auto, push, symm, nccl", "fast"]),
     "fused_kernels_on_cpu": ({"advanced": {"fused_kernels": "on"}}, ["advanced.fused_kernels", "CUDA only"]),
     "seed_out_of_range": ({"seed": 2**32}, ["seed", "[0, 2**32)", "4294967296"]),
 }
@@ -89,7 +92,8 @@ def test_config_errors(ckpt, tmp_path, case):
 @pytest.mark.parametrize("key", ["all_reduce", "fused_kernels", "step_channel"])
 def test_advanced_keys_take_only_their_choices(ckpt, key):
     from tp_engine.base.config import SCHEMA, ConfigError, build_config
-    with pytest.raises(ConfigError, match=rf"config key 'advanced\.{key}' must be one of auto, .*; got 'fast'"):
+    with pytest.raises(ConfigError,
+                       match=rf"config key 'advanced\.{key}' must be one of auto, .*; got 'fast'"):
         build_config(model=str(ckpt), advanced={key: "fast"})
     if "off" in SCHEMA[f"advanced.{key}"].choices:  # YAML reads a bare off as false
         assert build_config(model=str(ckpt), overrides=[f"advanced.{key}=false"])["advanced"][key] == "off"
@@ -145,8 +149,10 @@ def test_tp_that_cannot_split_the_mlp(tmp_path):
 def test_model_config_errors(ckpt, tmp_path, case):
     path = variant(tmp_path, ckpt, case)
     change, needles = {
-        "architecture": (lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"), ["LlamaForCausalLM"]),
-        "rope_scaling": (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+        "architecture": (lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"),
+                         ["LlamaForCausalLM"]),
+        "rope_scaling": (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                             "rope_theta": 1e4}),
                          ["yarn"]),
         "missing_field": (lambda c: c.pop("hidden_size"), ["hidden_size"]),
     }[case]
@@ -170,10 +176,13 @@ def poison(tensors, name, value):
 
 
 CKPT_CASES = {
-    "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["missing", "model.layers.1.mlp.up_proj.weight"]),
-    "int8": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
+    "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+                ["missing", "model.layers.1.mlp.up_proj.weight"]),
+    "int8": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight":
+                                 t["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
              ["model.layers.0.mlp.up_proj.weight", "dtype I8"]),
-    "bool": (lambda t: t.update({"model.norm.weight": t["model.norm.weight"] > 0}), ["model.norm.weight", "dtype BOOL"]),
+    "bool": (lambda t: t.update({"model.norm.weight": t["model.norm.weight"] > 0}),
+             ["model.norm.weight", "dtype BOOL"]),
     "nan": (lambda t: poison(t, "model.layers.1.self_attn.o_proj.weight", float("nan")),
             ["model.layers.1.self_attn.o_proj.weight", "NaN or infinite"]),
     "unexpected": (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
@@ -228,7 +237,8 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
     assert "tokenizer" in lines[4]["error"]
     assert "40 tokens" in lines[5]["error"] and "KV pool 32 tokens" in lines[5]["error"]
     _, clean = run_cli(base(ckpt, prompts=good), tmp_path, name="clean")
-    assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == [c["output_token_ids"] for c in clean]
+    assert [lines[0]["output_token_ids"], lines[6]["output_token_ids"]] == \
+        [c["output_token_ids"] for c in clean]
 
 
 def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
@@ -239,7 +249,8 @@ def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
     cfg = {"model": str(demo), "prompts": prompts, "sampling": {"max_new_tokens": 4}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line["finish_reason"] for line in lines] == ["length", "error", "error", "error", "length", "error"]
+    reasons = ["length", "error", "error", "error", "length", "error"]
+    assert [line["finish_reason"] for line in lines] == reasons
     assert "non-empty list" in lines[1]["error"]
     assert "'role'" in lines[2]["error"] and "'content' must be a string" in lines[3]["error"]
     assert "input_ids" in lines[5]["error"]
@@ -257,8 +268,9 @@ def test_a_bad_prompt_among_good_ones_leaves_the_job_successful(ckpt, tmp_path):
     assert not error_lines(proc), proc.stderr[-3000:]
     out = tmp_path / "run.jsonl"
     said = [line for line in proc.stderr.splitlines() if "ended with finish_reason" in line]
-    assert said == [f'warning: 1 of 4 prompts ended with finish_reason "error" (the reasons are in the "error" '
-                    f'field of their lines in {out}); exit status 0 (fail_on_prompt_error: true makes it 3)'], said
+    assert said == [f'warning: 1 of 4 prompts ended with finish_reason "error" (the reasons are in the '
+                    f'"error" field of their lines in {out}); exit status 0 (fail_on_prompt_error: true '
+                    'makes it 3)'], said
     assert json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])["errors"] == 1
 
 
@@ -268,8 +280,9 @@ def test_fail_on_prompt_error_gives_status_3_and_a_resume_may_change_it(ckpt, tm
     prompts = [PROMPTS[0], {"input_ids": []}, PROMPTS[1], PROMPTS[2]]
     proc, lines = run_cli(base(ckpt, prompts=prompts, fail_on_prompt_error=True), tmp_path)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert error_lines(proc) == ['error: 1 of 4 prompts ended with finish_reason "error" (the reasons are in the '
-                                 f'"error" field of their lines in {tmp_path / "run.jsonl"})'], proc.stderr[-3000:]
+    assert error_lines(proc) == ['error: 1 of 4 prompts ended with finish_reason "error" (the reasons are in '
+                                 f'the "error" field of their lines in {tmp_path / "run.jsonl"})'], \
+        proc.stderr[-3000:]
     assert [line["finish_reason"] for line in lines] == ["length", "error", "length", "length"]
     proc, again = run_cli(base(ckpt, prompts=prompts, resume=True), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -279,16 +292,16 @@ def test_fail_on_prompt_error_gives_status_3_and_a_resume_may_change_it(ckpt, tm
 
 
 def test_the_summary_counts_lines_and_the_errors_line_says_where_the_reasons_are():
-    """The summary counts lines (prompts x n), leaves out an error prompt's tokens, counts prompts with several
-    samples; the errors line points at the output file, stdout, or the text shown on the terminal."""
+    """The summary counts lines (prompts x n), leaves out an error prompt's tokens, counts prompts with
+    several samples; the errors line points at the output file, stdout, or the text shown on the terminal."""
     from tp_engine.frontend.summary import Summary
     s = Summary(samples=2)
     for i, reason in [(0, "length"), (0, "length"), (1, "error"), (1, "error")]:
         s.add({"index": i, "finish_reason": reason, "prompt_token_ids": [1, 2, 3], "cached_prompt_tokens": 0,
                "output_token_ids": [] if reason == "error" else [4, 5]})
     line = json.loads(s.line(2.0, preempted=0, resumed_skipped=1).removeprefix("summary: "))
-    assert line == {"requests": 4, "prompt_tokens": 6, "output_tokens": 4, "cached_prompt_tokens": 0, "errors": 2,
-                    "seconds": 2.0, "tokens_per_s": 2.0, "prompts": 2, "resumed_skipped": 1}
+    assert line == {"requests": 4, "prompt_tokens": 6, "output_tokens": 4, "cached_prompt_tokens": 0,
+                    "errors": 2, "seconds": 2.0, "tokens_per_s": 2.0, "prompts": 2, "resumed_skipped": 1}
     ended = '2 of 4 prompts ended with finish_reason "error" (the reasons are '
     assert s.errors_line("out.jsonl", False) == ended + 'in the "error" field of their lines in out.jsonl)'
     assert s.errors_line(None, False) == ended + 'in the "error" field of their lines on stdout)'
@@ -301,7 +314,8 @@ def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):
     prompts = [{"input_ids": [(7 * i + j) % 500 + 1 for j in range(10 + 3 * i)]} for i in range(8)]
     sampling = {"max_new_tokens": 24}
     _, roomy = run_cli(base(ckpt, prompts=prompts, sampling=sampling), tmp_path, nproc=2, name="roomy")
-    proc, tight = run_cli(base(ckpt, prompts=prompts, sampling=sampling, kv_cache={"num_pages": 5, "page_size": 16}),
+    proc, tight = run_cli(base(ckpt, prompts=prompts, sampling=sampling,
+                               kv_cache={"num_pages": 5, "page_size": 16}),
                           tmp_path, nproc=2, name="tight")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
@@ -379,8 +393,8 @@ def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
 
 def on_call(target: str, rank: str, call: int, action: str) -> str:
     """A CLI script that runs `action` (lines of Python) on rank `rank` at the `call`-th call of `target`
-    (package.module.Class.method in tp_engine), before the call itself; str.format fills {root} and the action's
-    fields."""
+    (package.module.Class.method in tp_engine), before the call itself; str.format fills {root} and the
+    action's fields."""
     package, module, cls, method = target.split(".")
     body = textwrap.indent(textwrap.dedent(action).strip(), " " * 12)
     return f"""
@@ -498,8 +512,9 @@ def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt
     cfg, _ = long_job(ckpt, tmp_path)
     code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, SLOW_RANK_0, 50)
     assert code != 0
-    assert ("error: rank 1: RuntimeError: rank 1: no step message from rank 0 within timeout_s (Timed out waiting "
-            "5000ms for recv operation to complete); another rank probably failed") in err, err[-3000:]
+    assert ("error: rank 1: RuntimeError: rank 1: no step message from rank 0 within timeout_s (Timed out "
+            "waiting 5000ms for recv operation to complete); another rank probably failed") in err, \
+        err[-3000:]
 
 
 # rank 0 stops before a step's forward: rank 1, which has the step, waits in the first all-reduce
@@ -507,11 +522,12 @@ STALLED_RANK_0 = on_call("runtime.engine.Engine.forward", "0", 150, "time.sleep(
 
 
 def test_rank_waiting_past_timeout_s_in_a_collective_says_so_in_one_line(ckpt, tmp_path):
-    """gloo's own timeout used to end the job with its C++ source path and a traceback, and no word of timeout_s."""
+    """gloo's own timeout used to end the job with its C++ source path and a traceback, and no word of
+    timeout_s."""
     cfg, out = long_job(ckpt, tmp_path)
     code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, STALLED_RANK_0, 50)
     assert code != 0
-    assert ("error: rank 1: another rank did not join a collective within timeout_s (5 s; Timed out waiting 5000ms "
-            "for recv operation to complete): it is stuck or stopped") in err, err[-3000:]
+    assert ("error: rank 1: another rank did not join a collective within timeout_s (5 s; Timed out waiting "
+            "5000ms for recv operation to complete): it is stuck or stopped") in err, err[-3000:]
     assert not re.search(r'File ".*(tp_engine|launch)/', err) and ".cc:" not in err, err[-3000:]
     check_results_file(out, 300)

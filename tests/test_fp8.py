@@ -1,6 +1,6 @@
-"""Block-FP8 checkpoints on CPU: the quantizer's format, each rank's shard of the weights and of the scale grid
-(shards that cut through 128-blocks, KV heads replicated), greedy tokens against transformers in float64 on the
-dequantized weights at TP 1, 2 and 4 through the Python API, and the loader's errors.
+"""Block-FP8 checkpoints on CPU: the quantizer's format, each rank's shard of the weights and of the scale
+grid (shards that cut through 128-blocks, KV heads replicated), greedy tokens against transformers in float64
+on the dequantized weights at TP 1, 2 and 4 through the Python API, and the loader's errors.
 
 The model's shapes make every TP split cut blocks: hidden 192 (1.5 blocks), q 8 x 48 = 384 rows, k and v
 2 x 48 = 96 rows, intermediate 640 (5 blocks; 320 and 160 rows per rank).
@@ -58,10 +58,11 @@ def ckpts(tmp_path_factory):
         f.unlink()
     scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
     save_file(scales, str(scales_first / "a-scales.safetensors"), metadata={"format": "pt"})
-    save_file({k: v for k, v in tensors.items() if k not in scales}, str(scales_first / "b-weights.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k not in scales},
+              str(scales_first / "b-weights.safetensors"), metadata={"format": "pt"})
     weight_map = {k: ("a-scales" if k in scales else "b-weights") + ".safetensors" for k in tensors}
-    (scales_first / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (scales_first / "model.safetensors.index.json").write_text(json.dumps(index))
     ref = root / "ref64"
     ref.mkdir()
     dense = {k: (reference_dequantize(v, tensors[k + "_scale_inv"]) if v.dtype == FP8 else v.double())
@@ -78,8 +79,8 @@ def ckpts(tmp_path_factory):
 def test_quantizer_writes_qwen_format(ckpts):
     fp8, src = ckpts["fp8"], ckpts["src"]
     cfg = json.loads((fp8 / "config.json").read_text())
-    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                          "weight_block_size": [128, 128]}
+    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                          "quant_method": "fp8", "weight_block_size": [128, 128]}
     index = json.loads((fp8 / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((fp8 / f).is_file() for f in files)
@@ -94,9 +95,11 @@ def test_quantizer_writes_qwen_format(ckpts):
         n, k = t.shape
         assert q.dtype == FP8 and q.shape == t.shape and s.dtype == torch.float32
         assert s.shape == (-(-n // 128), -(-k // 128))
-        blocks = torch.nn.functional.pad(t.float(), (0, -k % 128, 0, -n % 128)).view(s.shape[0], 128, s.shape[1], 128)
-        torch.testing.assert_close(s, blocks.abs().amax(dim=(1, 3)) / 448, rtol=0, atol=0)  # scale = amax / 448
-        want = (t.float() / s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(FP8)  # nearest
+        padded = torch.nn.functional.pad(t.float(), (0, -k % 128, 0, -n % 128))
+        blocks = padded.view(s.shape[0], 128, s.shape[1], 128)
+        torch.testing.assert_close(s, blocks.abs().amax(dim=(1, 3)) / 448, rtol=0, atol=0)  # amax / 448
+        scale = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        want = (t.float() / scale).to(FP8)  # nearest
         assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), name
     assert index["weight_map"]["model.layers.0.mlp.down_proj.weight_scale_inv"] in files
 
@@ -106,14 +109,17 @@ def test_quantizer_writes_qwen_format(ckpts):
 def _layers(rank: int, world: int) -> dict:
     comm.set_tp(TPGroup(rank, world))
     try:
-        return {"qkv": QKVParallelLinear(192, 48, 8, 2), "gate_up": MergedColumnParallelLinear(192, [640, 640]),
-                "down": RowParallelLinear(640, 192, reduce=False), "o": RowParallelLinear(384, 192, reduce=False)}
+        return {"qkv": QKVParallelLinear(192, 48, 8, 2),
+                "gate_up": MergedColumnParallelLinear(192, [640, 640]),
+                "down": RowParallelLinear(640, 192, reduce=False),
+                "o": RowParallelLinear(384, 192, reduce=False)}
     finally:
         comm.set_tp(TPGroup())
 
 
 PARTS = {"qkv": [("q", (384, 192)), ("k", (96, 192)), ("v", (96, 192))],
-         "gate_up": [(0, (640, 192)), (1, (640, 192))], "down": [(None, (192, 640))], "o": [(None, (192, 384))]}
+         "gate_up": [(0, (640, 192)), (1, (640, 192))], "down": [(None, (192, 640))],
+         "o": [(None, (192, 384))]}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -122,8 +128,10 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
     """Each rank's scale layout gives every element of its shard the checkpoint block's scale, and the CPU
     dequantization equals the unsharded dequantized weight's slice exactly. Rank by rank in this process."""
     torch.manual_seed(0)
-    full = {name: [(sid, quantize(torch.randn(shape) * 0.05)) for sid, shape in parts] for name, parts in PARTS.items()}
-    dense = {name: [(sid, reference_dequantize(*qs).float()) for sid, qs in parts] for name, parts in full.items()}
+    full = {name: [(sid, quantize(torch.randn(shape) * 0.05)) for sid, shape in parts]
+            for name, parts in PARTS.items()}
+    dense = {name: [(sid, reference_dequantize(*qs).float()) for sid, qs in parts]
+             for name, parts in full.items()}
     for rank in range(world):
         layers = _layers(rank, world)
         for name, layer in layers.items():
@@ -135,7 +143,8 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
             # the GPU layout: element (n, k) reads weight_scale_inv[scale_row[n], (k + k_shift) // 128]
             q = layer.quant
             n, k = layer.weight.shape
-            scale = layer.weight_scale_inv[layer.scale_row.long()].repeat_interleave(128, 1)[:, q.k_shift:q.k_shift + k]
+            scale = layer.weight_scale_inv[layer.scale_row.long()].repeat_interleave(128, 1)
+            scale = scale[:, q.k_shift:q.k_shift + k]
             if name in ("down", "o"):
                 cols = layer.col_range()
                 want = torch.cat([d for _, d in dense[name]])[:, cols.start:cols.start + cols.cols]
@@ -151,8 +160,8 @@ def test_rank_shards_of_weights_and_scales(world, scale_first):
 
 def test_only_the_qkv_projection_has_its_one_token_kernel_timed_after_a_norm():
     """A decode step runs a norm right before the Q/K/V projection, so its FP8 kernel is chosen by timing the
-    candidates after one (kernels/fp8.py); the O and down projections follow other kernels and are timed alone.
-    (Gate/up at one token is chosen in kernels/mlp.py.) Each layer's call says which."""
+    candidates after one (kernels/fp8.py); the O and down projections follow other kernels and are timed
+    alone. (Gate/up at one token is chosen in kernels/mlp.py.) Each layer's call says which."""
     from types import SimpleNamespace
 
     seen = {}
@@ -307,10 +316,12 @@ def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
     with pytest.raises(SystemExit) as e:
         quantize_checkpoint(str(ckpts["src"]), str(tmp_path / "out"),
                             modules_to_not_convert=("model.layers.0.mlp.gate_proj",))
-    assert "model.layers.0.mlp.gate_proj unquantized but not the rest of model.layers.0.mlp.gate_up_proj" in str(e.value)
+    assert "model.layers.0.mlp.gate_proj unquantized but not the rest of model.layers.0.mlp.gate_up_proj" \
+        in str(e.value)
     assert not (tmp_path / "out").exists()
     for fused in ("qkv_proj", "model.layers.0.mlp.gate_up_proj"):  # the engine's names, not the checkpoint's
-        with pytest.raises(SystemExit, match=f"--modules-to-not-convert {fused}: no module of the checkpoint"):
+        with pytest.raises(SystemExit,
+                           match=f"--modules-to-not-convert {fused}: no module of the checkpoint"):
             quantize_checkpoint(str(ckpts["src"]), str(tmp_path / "out"), modules_to_not_convert=(fused,))
     assert not (tmp_path / "out").exists()
     assert engine_matmul("model.layers.3.mlp.experts.17.down_proj.weight") == "model.layers.3.mlp.experts"
@@ -318,8 +329,8 @@ def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
 
 
 def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path, capsys):
-    """Quantizing into the source folder (or over another checkpoint) used to rewrite its config.json and leave
-    a folder that loaded neither way; bad arguments gave tracebacks."""
+    """Quantizing into the source folder (or over another checkpoint) used to rewrite its config.json and
+    leave a folder that loaded neither way; bad arguments gave tracebacks."""
     from quantize_fp8 import main
     src = ckpts["src"]
     before = (src / "config.json").read_text()
@@ -337,8 +348,9 @@ def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path,
 
 
 def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
-    """A destination that is a file (or lies under one) gave a traceback; one that is not writable, a traceback
-    after the first shard had been quantized: one message now, before any work, and nothing is touched."""
+    """A destination that is a file (or lies under one) gave a traceback; one that is not writable, a
+    traceback after the first shard had been quantized: one message now, before any work, and nothing is
+    touched."""
     afile = tmp_path / "afile"
     afile.write_text("keep")
     for dst in (afile, afile / "out"):
@@ -355,8 +367,8 @@ def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
         assert not any(locked.iterdir())
 
 def test_quantizer_sizes_float64_tensors(ckpts, tmp_path):
-    """A float64 source's unquantized tensors were counted at 4 bytes an element: shards twice --shard-size and
-    a wrong total_size in the index."""
+    """A float64 source's unquantized tensors were counted at 4 bytes an element: shards twice --shard-size
+    and a wrong total_size in the index."""
     src = tmp_path / "f64"
     shutil.copytree(ckpts["src"], src)
     save_file({k: v.double() for k, v in load_file(str(src / "model.safetensors")).items()},
@@ -378,14 +390,16 @@ def test_quantizer_refuses_a_weight_with_infinite_values(ckpts, tmp_path):
     tensors = load_file(str(src / "model.safetensors"))
     tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(SystemExit, match="'model.layers.0.mlp.down_proj.weight' holds NaN or infinite values"):
+    with pytest.raises(SystemExit,
+                       match="'model.layers.0.mlp.down_proj.weight' holds NaN or infinite values"):
         quantize_checkpoint(str(src), str(tmp_path / "out"))
 
 
 def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, monkeypatch):
-    """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives them
-    fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
-    layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's values."""
+    """The engine builds a block-FP8 model's linear weights as meta placeholders, so quantize_linears gives
+    them fp8 storage without a first copy in the compute dtype (Qwen3-235B-A22B at TP 2 would not fit one); a
+    layer the config leaves unquantized is allocated after, keeps its loader and holds the checkpoint's
+    values."""
     from tp_engine import models as models_module
     from tp_engine.llm import LLM
     mixed = tmp_path / "mixed"
@@ -398,7 +412,8 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
 
     monkeypatch.setattr(models_module, "quantize_linears", spy)
     llm = LLM(model=str(mixed), device="cpu", sampling={"max_new_tokens": 4})
-    assert len(seen[0]) == 2 * 4 and set(seen[0].values()) == {"meta"}, seen  # 2 layers x qkv, o, gate_up, down
+    # 2 layers x qkv, o, gate_up, down
+    assert len(seen[0]) == 2 * 4 and set(seen[0].values()) == {"meta"}, seen
     params = dict(llm.engine.model.named_parameters())
     assert all(p.device.type == "cpu" for p in params.values())
     with safe_open(str(next(mixed.glob("*.safetensors"))), "pt") as f:
@@ -410,8 +425,8 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
 
 
 def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
-    """launch/bench.py --weights bf16,fp8 in one call (on CPU, tiny shapes): an FP8 checkpoint in Qwen's format
-    written from the config's shapes, both formats measured."""
+    """launch/bench.py --weights bf16,fp8 in one call (on CPU, tiny shapes): an FP8 checkpoint in Qwen's
+    format written from the config's shapes, both formats measured."""
     import subprocess
     model = tmp_path / "shapes"
     model.mkdir()
@@ -426,7 +441,8 @@ def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
     assert res["weights"]["format"] == "bf16" and res["fp8"]["weights"]["format"] == "fp8"
     assert res["latency"]["decode_tok_s"] > 0 and res["fp8"]["latency"]["decode_tok_s"] > 0
     fp8 = tmp_path / "random-fp8"
-    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    quant = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert quant["weight_block_size"] == [128, 128]
     index = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(fp8 / index["model.layers.0.mlp.down_proj.weight"]), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == FP8
@@ -437,14 +453,15 @@ def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_ckpts(tmp_path_factory):
-    """A Qwen3-MoE checkpoint (expert inner size 160: 80 rows per rank at TP 2, 40 at TP 4, both inside a block),
-    its FP8 version, and transformers' float64 model on the dequantized weights (its eager expert loop)."""
+    """A Qwen3-MoE checkpoint (expert inner size 160: 80 rows per rank at TP 2, 40 at TP 4, both inside a
+    block), its FP8 version, and transformers' float64 model on the dequantized weights (its eager expert
+    loop)."""
     from transformers import Qwen3MoeForCausalLM
     from helpers import make_moe_checkpoint
 
     root = tmp_path_factory.mktemp("fp8_moe")
-    src = make_moe_checkpoint(root / "bf16", hidden=192, inter=256, moe_inter=160, layers=2, heads=4, kv_heads=1,
-                              head_dim=48, experts=8, top_k=2, vocab=389)
+    src = make_moe_checkpoint(root / "bf16", hidden=192, inter=256, moe_inter=160, layers=2, heads=4,
+                              kv_heads=1, head_dim=48, experts=8, top_k=2, vocab=389)
     quantize_checkpoint(str(src), str(root / "fp8"), shard_bytes=200_000)
     tensors = {}
     for f in (root / "fp8").glob("*.safetensors"):
@@ -464,8 +481,8 @@ def moe_ckpts(tmp_path_factory):
     for ids in PROMPTS:
         x = torch.tensor([ids])
         with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
+                                 min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
         want.append(out[0, len(ids):].tolist())
     return root / "fp8", model, want
 
@@ -475,9 +492,9 @@ DENSE_AT = {1: "fp8", 2: "scales_first", 4: "fp8"}  # which dense FP8 checkpoint
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_path):
-    """The dense FP8 checkpoint (at TP 2 the one whose scales are read before the weights) and the MoE one with
-    FP8 experts, both in one torchrun job per TP (a job each spent most of its time starting processes); TP 1
-    in this process."""
+    """The dense FP8 checkpoint (at TP 2 the one whose scales are read before the weights) and the MoE one
+    with FP8 experts, both in one torchrun job per TP (a job each spent most of its time starting processes);
+    TP 1 in this process."""
     models = {"dense": ckpts[DENSE_AT[tp]], "moe": moe_ckpts[0]}
     sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True}  # the references run MAX_NEW steps
     results = api_outputs(models, PROMPTS, sampling, tp, tmp_path)
@@ -507,9 +524,9 @@ def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp
 
 
 def test_experts_kept_unquantized_one_by_one(moe_ckpts, tmp_path):
-    """modules_to_not_convert listing every expert of a layer keeps that layer's experts unquantized, as listing
-    q_proj, k_proj and v_proj keeps qkv_proj: the quantizer wrote such checkpoints, which the engine refused
-    with a dtype error. Some experts only: one message naming the layer."""
+    """modules_to_not_convert listing every expert of a layer keeps that layer's experts unquantized, as
+    listing q_proj, k_proj and v_proj keeps qkv_proj: the quantizer wrote such checkpoints, which the engine
+    refused with a dtype error. Some experts only: one message naming the layer."""
     from tp_engine.comm import StartupError
     from tp_engine.llm import LLM
     path, _, _ = moe_ckpts

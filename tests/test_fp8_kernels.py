@@ -78,8 +78,8 @@ for n, k, shift, offset in cases:
         ref = F.linear(x.float(), ref_w)
         xq, xs = group_quant(x, shift)
         ref8 = F.linear(xq.float() * xs.repeat_interleave(128, 1)[:, shift:shift + k], ref_w)
-        # prepared activations: fp8 as the reference rounds them (x times 1/scale: a rare last-bit difference),
-        # fp16 exact after the power-of-two scaling
+        # prepared activations: fp8 as the reference rounds them (x times 1/scale: a rare last-bit
+        # difference), fp16 exact after the power-of-two scaling
         q, s = prepare_activations(x, shift, True)
         torch.testing.assert_close(s, xs, rtol=0, atol=0)
         assert (q.float() == xq.float()).float().mean() > 0.99
@@ -117,12 +117,14 @@ def _variants():
     """One compile per structural variant (the tile sizes of a variant share its code)."""
     from tp_engine.kernels import fp8, fp8_gemm as g
 
-    gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}
+    gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                  "srow_ptr": "*i32", "out_ptr": "*bf16"}
     out = [(fp8._fp8_gemv_kernel, gemv_types, dict(BLOCK_N=bn, KB=kb, UNIFORM=u, PAIR=p, PDL=True), w, 3)
            for (bn, kb, w), u, p in ((fp8.GEMV_CONFIGS[0], True, False), (fp8.GEMV_CONFIGS[-1], True, False),
-                                     (fp8.GEMV_CONFIGS[-1], False, False), (fp8.GEMV_CONFIGS[-1], False, True))]
-    gemm_types = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32",
-                  "c_ptr": "*bf16"}
+                                     (fp8.GEMV_CONFIGS[-1], False, False),
+                                     (fp8.GEMV_CONFIGS[-1], False, True))]
+    gemm_types = {"a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                  "srow_ptr": "*i32", "c_ptr": "*bf16"}
     tiles = [(False, c) for c in (g.GEMM_CONFIGS[16][0], g.GEMM_CONFIGS[16][3], g.GEMM_CONFIGS[16][4],
                                   g.GEMM_CONFIGS[64][-1])]
     tiles += [(True, c) for c in (g.PRE_CONFIGS[0], g.GEMM_CONFIGS[16][3])]
@@ -132,9 +134,11 @@ def _variants():
             out.append((g._fp8_gemm_kernel, types, dict(W8A8=a8, PRE=pre, SWAP=swap, BLOCK_M=bm, BLOCK_N=bn,
                                                          GROUP_M=8), warps, stages))
     for a8 in (False, True):
-        out.append((g._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if a8 else "*fp16", "s_ptr": "*fp32"},
+        out.append((g._act_quant_kernel,
+                    {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if a8 else "*fp16", "s_ptr": "*fp32"},
                     dict(W8A8=a8, GROUPS=4), 1, 1))
-    out.append((g._dequant_kernel, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"},
+    out.append((g._dequant_kernel,
+                {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"},
                 dict(BLOCK_N=16, BLOCK=256), 4, 1))
     return out
 
@@ -159,9 +163,10 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("uniform, pair", [(True, False), (False, False), (True, True)])
 def test_fp8_gemv_loop_sums_nothing_across_threads(uniform, pair):
     """The FP8 GEMV's k-loop sums no products across threads (that took 12-48 warp shuffles an iteration, and
-    barriers with them), loads the weights 16 bytes at a time, and issues those loads before its first barrier:
-    after it, they waited every iteration for the activations' trip to the L2 cache (4.8% of a Qwen3-8B FP8
-    decode step on an H200). pair: the MLP's gate and up rows in pairs (kernels/mlp.py), the same loop."""
+    barriers with them), loads the weights 16 bytes at a time, and issues those loads before its first
+    barrier: after it, they waited every iteration for the activations' trip to the L2 cache (4.8% of a
+    Qwen3-8B FP8 decode step on an H200). pair: the MLP's gate and up rows in pairs (kernels/mlp.py), the same
+    loop."""
     from tp_engine.kernels import fp8
 
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}

@@ -32,7 +32,8 @@ def test_batch_equals_each_prompt_alone(ckpt, alone, tp, max_batch, tmp_path):
 
 def test_seeded_sampling_repeats_across_runs_and_tp(ckpt, tmp_path):
     sampling = {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50, "top_p": 0.95}
-    cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "seed": 7, "sampling": sampling}
+    cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "seed": 7,
+           "sampling": sampling}
     runs = {}
     for tp in (2, 4):
         proc, lines = run_cli(cfg, tmp_path, nproc=tp, name=f"tp{tp}")
@@ -40,7 +41,8 @@ def test_seeded_sampling_repeats_across_runs_and_tp(ckpt, tmp_path):
         runs[tp] = [line["output_token_ids"] for line in lines]
     # TP=1 through the Python API, in this process: the same seed, then another seed, then greedy
     llm, prompts = LLM(model=str(ckpt), device="cpu"), [{"input_ids": p} for p in PROMPTS]
-    tokens = {seed: [g["output_token_ids"] for g in llm.generate(prompts, SamplingParams(seed=seed, **sampling))]
+    tokens = {seed: [g["output_token_ids"]
+                     for g in llm.generate(prompts, SamplingParams(seed=seed, **sampling))]
               for seed in (7, 8)}
     assert tokens[7] == runs[2] == runs[4]
     assert tokens[8] != tokens[7]  # the seed matters
@@ -61,5 +63,6 @@ def test_sampler_distribution_and_filters():
     assert sample(logits, [SamplingParams(temperature=1.0, top_k=1)], [1], [0]).item() == greedy
     assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [1], [0]).item() == greedy
     top2 = set(logits[0].topk(2).indices.tolist())
-    got = set(sample(rows[:500], [SamplingParams(temperature=5.0, top_k=2)] * 500, [5] * 500, list(range(500))).tolist())
+    got = set(sample(rows[:500], [SamplingParams(temperature=5.0, top_k=2)] * 500, [5] * 500,
+                     list(range(500))).tolist())
     assert got == top2

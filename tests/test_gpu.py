@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
-                         step_batch)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate, hf_greedy, llm,
+                         needs_flashinfer, step_batch)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -83,9 +83,10 @@ def test_fused_qkv_path_matches_torch_path():
     from tp_engine.layers import RotaryEmbedding
     from tp_engine.models.qwen3 import Qwen3Attention
 
-    mc = ModelConfig.from_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 512, "intermediate_size": 64,
-                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "head_dim": 128, "max_position_embeddings": 4096, "rope_theta": 1e6})
+    mc = ModelConfig.from_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 512,
+                                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 4096,
+                                "rope_theta": 1e6})
     torch.manual_seed(1)
     torch.set_default_dtype(BF16)  # as the engine builds its model: bf16 weights, fp32 RoPE tables
     try:
@@ -168,9 +169,9 @@ def _torch_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_fused_gate_up_silu_matches_the_torch_mlp():
-    """The MLP's gate/up matmul and silu * up in one kernel (kernels/mlp.py), every candidate, on Qwen3-0.6B's and
-    Qwen3-8B's MLP shapes with bf16 and block-FP8 weights: within bf16 rounding of the torch MLP (the roundings
-    are the same, the sums run in another order); the timed choice too, and in a CUDA graph."""
+    """The MLP's gate/up matmul and silu * up in one kernel (kernels/mlp.py), every candidate, on Qwen3-0.6B's
+    and Qwen3-8B's MLP shapes with bf16 and block-FP8 weights: within bf16 rounding of the torch MLP (the
+    roundings are the same, the sums run in another order); the timed choice too, and in a CUDA graph."""
     from tp_engine.kernels import mlp, select
     from tp_engine.layers.fp8 import ScaleLayout
     from tp_engine.layers.linear import ColRange, RowPart
@@ -188,7 +189,8 @@ def test_fused_gate_up_silu_matches_the_torch_mlp():
         w8 = (torch.randn(2 * i, k, device=DEV, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
         s8 = torch.rand(lay.rows, lay.col_blocks[1], device=DEV, generator=g) / 3000 + 1e-5
         fp8 = (s8, lay.scale_row.to(DEV), lay.row_align, False)
-        for weight, q, ref in ((w, None, _torch_mlp(x, w)), (w8, fp8, _torch_mlp(x, lay.dequantize(w8, s8, BF16)))):
+        for weight, q, ref in ((w, None, _torch_mlp(x, w)),
+                               (w8, fp8, _torch_mlp(x, lay.dequantize(w8, s8, BF16)))):
             for choice in mlp.candidates(q)[1:]:  # all but ("split", None)
                 got = mlp.run(choice, x, weight, q)
                 assert rel(got, ref) < 5e-3, (i, k, choice, q is not None)
@@ -224,11 +226,11 @@ def test_fused_gate_up_silu_in_the_engine_matches_hf(tiny_ckpt, hf_model, hf_ref
 # ---- whole engine ----
 
 def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
-    """With flashinfer's decode in the graphs, batch sizes equal to a captured size run the same kernels on the
-    same shapes as eager decode: equal token for token. Padded batches (5 -> 8, 3 -> 4) run other matmul
+    """With flashinfer's decode in the graphs, batch sizes equal to a captured size run the same kernels on
+    the same shapes as eager decode: equal token for token. Padded batches (5 -> 8, 3 -> 4) run other matmul
     shapes, and the decode kernel of kernels/decode_attention.py (the graphs' attention up to its MAX_CONTEXT
-    tokens) sums in another order: these agree with eager decode up to near ties, also
-    when a run switches from the kernel to flashinfer as its requests grow past the bound."""
+    tokens) sums in another order: these agree with eager decode up to near ties, also when a run switches
+    from the kernel to flashinfer as its requests grow past the bound."""
     needs_flashinfer()
     from tp_engine.kernels import decode_attention
     four, one = PROMPTS[:4], PROMPTS[4:]
@@ -241,12 +243,13 @@ def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
         replays = []
         if graphs:
             assert all((bs, True) in m.engine.graphs.graphs for bs in m.engine.graphs.buckets)
-            m.engine.graphs.graphs = {k: _Counted(g, k[1], replays) for k, g in m.engine.graphs.graphs.items()}
+            m.engine.graphs.graphs = {k: _Counted(g, k[1], replays)
+                                      for k, g in m.engine.graphs.graphs.items()}
         r = results[name] = {"memorized": generate(m, PARITY_PROMPTS, max_new_tokens=24)}
         if name in ("flashinfer", "eager"):
             r.update(greedy4=generate(m, four), greedy1=generate(m, one, max_new_tokens=30),
-                     sampled4=generate(m, four, temperature=0.8, max_new_tokens=20), padded5=generate(m, PROMPTS),
-                     padded3=generate(m, PROMPTS[:3], max_new_tokens=16))
+                     sampled4=generate(m, four, temperature=0.8, max_new_tokens=20),
+                     padded5=generate(m, PROMPTS), padded3=generate(m, PROMPTS[:3], max_new_tokens=16))
         if graphs:  # which attention the steps ran (prompts of 16 tokens, then 24 new ones)
             assert set(replays) == {"flashinfer": {False}, "kernel": {True}, "switching": {False, True}}[name]
         del m
@@ -262,8 +265,8 @@ def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
 
 def test_graph_decode_without_the_direct_planner_decides_once_per_batch_size(tiny_ckpt, monkeypatch):
     """When flashinfer's compiled planner cannot be called directly (another release; FAST_PLAN off), the
-    wrappers plan through `plan` every step, with the same tokens. The check whether the direct call works used
-    to run again at every step (a full wait for the GPU each time)."""
+    wrappers plan through `plan` every step, with the same tokens. The check whether the direct call works
+    used to run again at every step (a full wait for the GPU each time)."""
     needs_flashinfer()
     from tp_engine.attention import flashinfer_backend as fb
     from tp_engine.kernels import decode_attention
@@ -305,9 +308,9 @@ def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model, hf_ref):
 
 
 def test_graphs_are_captured_with_the_garbage_collector_off(tiny_ckpt, monkeypatch):
-    """An engine dropped in a reference cycle is freed when the garbage collector runs; freeing its CUDA graphs
-    during another engine's capture ended that capture with an error (seen once as a failed start-up of the
-    engine built after another's). Every capture, decode graphs and prompt-step pieces, now runs with the
+    """An engine dropped in a reference cycle is freed when the garbage collector runs; freeing its CUDA
+    graphs during another engine's capture ended that capture with an error (seen once as a failed start-up of
+    the engine built after another's). Every capture, decode graphs and prompt-step pieces, now runs with the
     collector off; it is on again afterwards."""
     needs_flashinfer()
     begin, seen = torch.cuda.CUDAGraph.capture_begin, []
@@ -322,13 +325,14 @@ def test_graphs_are_captured_with_the_garbage_collector_off(tiny_ckpt, monkeypat
 
 
 def test_kv_pool_sized_from_free_memory(tiny_ckpt, caplog):
-    """gpu_memory_utilization is the engine's share of the card: what is in use already counts against it, and the
-    pool gets what the share leaves after the measured step and graphs."""
+    """gpu_memory_utilization is the engine's share of the card: what is in use already counts against it, and
+    the pool gets what the share leaves after the measured step and graphs."""
     needs_flashinfer()
     import logging
     caplog.set_level(logging.INFO, logger="tp_engine")
     gc.collect()  # engines of earlier tests (reference cycles) release their memory now, not mid-test
-    torch.cuda.empty_cache()  # what the engine does before it measures: memory cached by earlier tests is free
+    # what the engine does before it measures: memory cached by earlier tests is free
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(DEV)
     share = 1 - free / total + 0.1  # what is in use, and 10% of the card more
     m = llm(tiny_ckpt, kv_cache={"gpu_memory_utilization": share, "num_pages": None})
@@ -353,7 +357,8 @@ CLI_PROMPTS = PARITY_PROMPTS[:4]  # a captured batch size, so CUDA-graph and eag
 
 
 def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | None = None) -> list[list[int]]:
-    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in CLI_PROMPTS], "output": str(tmp_path / f"{name}.jsonl"),
+    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in CLI_PROMPTS],
+           "output": str(tmp_path / f"{name}.jsonl"),
            "sampling": {"max_new_tokens": 10, "ignore_eos": True}, "kv_cache": {"num_pages": 256},
            "max_batch_size": 8, "cuda_graph_max_batch": 8, **(extra or {})}
     path = tmp_path / f"{name}.yaml"

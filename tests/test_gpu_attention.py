@@ -39,9 +39,10 @@ def test_decode_kernel_in_a_graph_is_as_accurate_as_flashinfer(heads, kvh, bs):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         dec.run(q, cache, out)
-    fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(256 << 20, dtype=torch.uint8, device=DEV), "NHD",
-                                                       use_tensor_cores=True)
-    trials = [[1, 5, 16, 17, 130, 700, 2100, most], [most] * 8, [1] * 8, [129, 256, 257, 1000, 33, 64, 65, 4097]]
+    fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(256 << 20, dtype=torch.uint8, device=DEV),
+                                                       "NHD", use_tensor_cores=True)
+    trials = [[1, 5, 16, 17, 130, 700, 2100, most], [most] * 8, [1] * 8,
+              [129, 256, 257, 1000, 33, 64, 65, 4097]]
     for lens in trials:
         lens = lens[:bs] if bs > 1 else [lens[-1]]
         counts = [-(-n // S) for n in lens]

@@ -2,9 +2,9 @@
 a CUDA graph too; greedy tokens against transformers on the dequantized weights and against the bf16 model;
 CUDA-graph decode against eager decode; TP=2 against TP=1.
 
-Marker `gpu` (and `multi_gpu` for TP=2); skipped without CUDA. The model has head_dim 128 like tests/test_gpu.py
-(one flashinfer module for both), knows a few sequences by heart (peaked logits, tests/gpu_helpers.py), and has
-an intermediate size of 640 (5 blocks; 2.5 per rank at TP 2).
+Marker `gpu` (and `multi_gpu` for TP=2); skipped without CUDA. The model has head_dim 128 like
+tests/test_gpu.py (one flashinfer module for both), knows a few sequences by heart (peaked logits,
+tests/gpu_helpers.py), and has an intermediate size of 640 (5 blocks; 2.5 per rank at TP 2).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_follows, assert_parity, generate, hf_greedy,
-                         llm, memorize, needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_follows, assert_parity, generate,
+                         hf_greedy, llm, memorize, needs_flashinfer)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -34,8 +34,9 @@ def ckpts(tmp_path_factory):
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=640, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      max_position_embeddings=2048, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       bos_token_id=0, eos_token_id=1, pad_token_id=0)
     root = tmp_path_factory.mktemp("fp8_gpu")
     memorize(Qwen3ForCausalLM(cfg), root / "bf16")
@@ -62,7 +63,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_deq(ckpts):
-    """transformers on the dequantized weights: in bf16 (the tokens to match) and in fp32 (the near-tie judge)."""
+    """transformers on the dequantized weights: in bf16 (the tokens to match) and in fp32 (the judge of
+    near ties)."""
     from transformers import AutoModelForCausalLM
     return {dt: AutoModelForCausalLM.from_pretrained(ckpts["deq"], dtype=dt).to(DEV).eval()
             for dt in (BF16, torch.float32)}
@@ -99,7 +101,8 @@ def test_fp8_kernels_match_dequantized_bf16_matmul(n, k, shift, offset):
     g = torch.Generator(device=DEV).manual_seed(0)
     w = (torch.randn(n, k, device=DEV, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale_row = ((torch.arange(n, device=DEV) + offset) // 128).to(torch.int32)
-    scale = torch.rand((n - 1 + offset) // 128 + 1, -(-(k + shift) // 128), device=DEV, generator=g) / 3000 + 1e-5
+    scale = torch.rand((n - 1 + offset) // 128 + 1, -(-(k + shift) // 128), device=DEV,
+                       generator=g) / 3000 + 1e-5
     align = 128 if offset % 128 == 0 else offset & -offset
     deq = fp8.dequantize(w, scale, scale_row, shift, BF16)
     for m in (1, 3, 16, 40, 100, 300, 1000):
@@ -186,14 +189,15 @@ def test_fp8_greedy_matches_transformers_on_dequantized_weights(ckpts, hf_deq):
 
 @pytest.mark.parametrize("kind", ["fused", "paired"])
 def test_fp8_mlp_through_the_fused_gate_up_kernel_matches_transformers(ckpts, hf_deq, kind, monkeypatch):
-    """Every MLP's FP8 gate/up and silu * up in one kernel (kernels/mlp.py: the experts' kernel, or the FP8 GEMV
-    taking gate and up rows in pairs), whatever the timing would pick: the tokens of transformers on the
+    """Every MLP's FP8 gate/up and silu * up in one kernel (kernels/mlp.py: the experts' kernel, or the FP8
+    GEMV taking gate and up rows in pairs), whatever the timing would pick: the tokens of transformers on the
     dequantized weights, up to near ties."""
     needs_flashinfer()
     from tp_engine.kernels import mlp
     kernel, calls = getattr(mlp, kind), []
     monkeypatch.setattr(mlp, "_CHOICE", {})
-    monkeypatch.setattr(mlp, "_choose", lambda x, w, fp8: [c for c in mlp.candidates(fp8) if c[0] == kind][-1])
+    monkeypatch.setattr(mlp, "_choose",
+                        lambda x, w, fp8: [c for c in mlp.candidates(fp8) if c[0] == kind][-1])
     monkeypatch.setattr(mlp, kind, lambda *a, **k: calls.append(a[3] is not None) or kernel(*a, **k))
     m = llm(ckpts["fp8"])
     ours = [generate(m, [p], max_new_tokens=12)[0] for p in PARITY_PROMPTS]  # batch 1, where it runs
@@ -228,7 +232,8 @@ def test_fp8_graph_decode_equals_eager_and_follows_bf16(ckpts, gemm, monkeypatch
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fp8_tp2_matches_tp1(ckpts, hf_deq, tmp_path):
-    """At TP 2 the intermediate shards cut a 128-block (320 rows each): the same tokens as TP 1 up to near ties."""
+    """At TP 2 the intermediate shards cut a 128-block (320 rows each): the same tokens as TP 1 up to near
+    ties."""
     from test_gpu import CLI_PROMPTS, _run_cli
     needs_flashinfer()
     one = _run_cli(tmp_path, ckpts["fp8"], 1, "fp8_tp1")

@@ -1,5 +1,6 @@
-"""The memory plan on the GPU: under an allocator cap that gives the weights the share of the card they have on
-an 80 GB H100, the engine starts with its defaults and runs its largest step, CUDA graphs on, within the cap."""
+"""The memory plan on the GPU: under an allocator cap that gives the weights the share of the card they have
+on an 80 GB H100, the engine starts with its defaults and runs its largest step, CUDA graphs on, within the
+cap."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from gpu_helpers import HAS_CUDA, needs_flashinfer
 from tp_engine.runtime.memory_plan import MARGIN
@@ -29,14 +29,16 @@ model, cap, max_prefill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.mem_get_info()[1])
 llm = LLM(model=model, load_format="dummy", max_prefill_tokens=max_prefill, max_model_len=2 * max_prefill)
 rng = random.Random(0)
-# one step of max_prefill tokens over 256 requests: 255 short prompts, and a long one whose first chunk fills it
+# one step of max_prefill tokens over 256 requests: 255 short prompts, and a long one whose first chunk
+# fills it
 prompts = [{"input_ids": [rng.randrange(1000, 100000) for _ in range(16)]} for _ in range(255)]
 prompts.append({"input_ids": [rng.randrange(1000, 100000) for _ in range(max_prefill + 512)]})
 params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20, max_new_tokens=16, ignore_eos=True)
 outs = llm.generate(prompts, params)
 e = llm.engine
-print(json.dumps({"finish": sorted({o["finish_reason"] for o in outs}), "peak": torch.cuda.max_memory_reserved(),
-                  "plan": vars(e.memory), "graph_bytes": e.graph_bytes, "pieces": e.pieces is not None,
+print(json.dumps({"finish": sorted({o["finish_reason"] for o in outs}),
+                  "peak": torch.cuda.max_memory_reserved(), "plan": vars(e.memory),
+                  "graph_bytes": e.graph_bytes, "pieces": e.pieces is not None,
                   "graphs": e.graphs is not None}))
 llm.shutdown()
 """

@@ -1,9 +1,10 @@
-"""Qwen3-MoE on the GPU: the fused MoE kernels against the torch reference (FP8 experts too), bf16 greedy parity
-with transformers, CUDA-graph decode against eager (an FP8 checkpoint too), and TP=2 against TP=1.
+"""Qwen3-MoE on the GPU: the fused MoE kernels against the torch reference (FP8 experts too), bf16 greedy
+parity with transformers, CUDA-graph decode against eager (an FP8 checkpoint too), and TP=2 against TP=1.
 
 Every test needs a CUDA GPU (marker `gpu`; the TP=2 one also `multi_gpu`) and skips elsewhere. The checkpoint
-is a tiny Qwen3-MoE written by transformers, with head_dim 128, 4 query and 2 KV heads like tests/test_gpu.py's
-(so both share one compiled flashinfer module), trained until its logits are peaked (tests/gpu_helpers.py).
+is a tiny Qwen3-MoE written by transformers, with head_dim 128, 4 query and 2 KV heads like
+tests/test_gpu.py's (so both share one compiled flashinfer module), trained until its logits are peaked
+(tests/gpu_helpers.py).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_follows, assert_parity, generate, hf_greedy,
-                         llm, memorize, needs_flashinfer)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, PARITY_PROMPTS, assert_follows, assert_parity, generate,
+                         hf_greedy, llm, memorize, needs_flashinfer)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -35,7 +36,8 @@ def moe_ckpt(tmp_path_factory) -> str:
     cfg = Qwen3MoeConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                          num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
-                         max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                          bos_token_id=0, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     return memorize(Qwen3MoeForCausalLM(cfg), tmp_path_factory.mktemp("tiny_qwen3_moe") / "m", steps=120)
@@ -157,7 +159,8 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref, monkeypatch):
     for graphs in (True, False):
         m = llm(moe_ckpt, cuda_graph=graphs)
         assert (m.engine.graphs is not None) == graphs
-        results[graphs] = {"four": generate(m, PROMPTS[:4]), "one": generate(m, PROMPTS[4:], max_new_tokens=20),
+        results[graphs] = {"four": generate(m, PROMPTS[:4]),
+                           "one": generate(m, PROMPTS[4:], max_new_tokens=20),
                            "eight": generate(m, eight), "sampled": generate(m, PROMPTS[:4], temperature=0.8),
                            "padded5": generate(m, PROMPTS)}
         del m
@@ -236,15 +239,18 @@ def test_fp8_moe_checkpoint_keeps_fp8_experts(moe_ckpt, tmp_path_factory, monkey
     fp8_dir = tmp_path_factory.mktemp("moe_fp8") / "m"
     quantize_checkpoint(moe_ckpt, str(fp8_dir))
     runs = {}
-    for name, path, graphs in (("graph", str(fp8_dir), True), ("eager", str(fp8_dir), False), ("bf16", moe_ckpt, True)):
+    for name, path, graphs in (("graph", str(fp8_dir), True), ("eager", str(fp8_dir), False),
+                               ("bf16", moe_ckpt, True)):
         monkeypatch.setattr(decode_attention, "MAX_CONTEXT", 0 if name == "graph" else bound)
         m = llm(path, cuda_graph=graphs)
         experts = [mod for mod in m.engine.model.modules() if isinstance(mod, FusedMoE)]
-        assert experts and all((e.gate_up_proj.dtype == torch.float8_e4m3fn) == (name != "bf16") for e in experts)
+        assert experts
+        assert all((e.gate_up_proj.dtype == torch.float8_e4m3fn) == (name != "bf16") for e in experts)
         assert all((e.scales is not None) == (name != "bf16") for e in experts)
-        # captured batch sizes only (4 and 1: the GEMV path; 8: the grouped one), so graphs and eager run alike
+        # captured batch sizes only (4 and 1: the GEMV path; 8: the grouped one): graphs and eager run alike
         eight = PROMPTS + [[3, 1, 4], [1000] * 9, list(range(7, 70, 3))]
-        runs[name] = generate(m, PROMPTS[:4]) + generate(m, PROMPTS[4:], max_new_tokens=20) + generate(m, eight)
+        runs[name] = (generate(m, PROMPTS[:4]) + generate(m, PROMPTS[4:], max_new_tokens=20)
+                      + generate(m, eight))
         del m
         torch.cuda.empty_cache()
     assert runs["graph"] == runs["eager"]
@@ -258,13 +264,14 @@ def _free_port() -> int:
 
 
 def _run_cli(tmp_path: Path, ckpt: str, nproc: int, name: str, extra: dict | None = None) -> list[list[int]]:
-    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in PARITY_PROMPTS[:4]], "output": str(tmp_path / f"{name}.jsonl"),
+    cfg = {"model": ckpt, "prompts": [{"input_ids": p} for p in PARITY_PROMPTS[:4]],
+           "output": str(tmp_path / f"{name}.jsonl"),
            "sampling": {"max_new_tokens": 10, "ignore_eos": True}, "kv_cache": {"num_pages": 256},
            "max_batch_size": 8, "cuda_graph_max_batch": 8, **(extra or {})}
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "launch/generate.py", "--config", str(path), "--quiet"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", "launch/generate.py", "--config", str(path), "--quiet"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150, env=dict(os.environ))
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     lines = [json.loads(x) for x in Path(cfg["output"]).read_text().splitlines()]

@@ -1,5 +1,6 @@
 """Programmatic dependent launch (kernels/__init__.py, `pdl`): each Triton kernel of the decode path that may
-start before the kernel ahead of it has finished still reads that kernel's output, never what was there before.
+start before the kernel ahead of it has finished still reads that kernel's output, never what was there before
+it.
 
 A producer kernel lets the next kernel start at once and writes that kernel's input only 20 ms later; each
 kernel's result must equal its result on the same input written beforehand. The GEMV launched early without
@@ -27,11 +28,12 @@ if HAS_CUDA:
     @triton.jit
     def _late_copy_kernel(src_ptr, dst_ptr, n, delay_ns, BLOCK: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start now
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                       is_pure=False, pack=1)
         t = t0
         while t - t0 < delay_ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                          is_pure=False, pack=1)
         for i in range(0, n, BLOCK):
             offs = i + tl.arange(0, BLOCK)
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
@@ -39,8 +41,8 @@ if HAS_CUDA:
 
 
 def late_copy(dst: torch.Tensor, src: torch.Tensor, delay_us: int = 20_000) -> None:
-    """dst <- src (contiguous, same shape), written `delay_us` after the copy starts; the kernel launched after
-    it on the stream may start at once."""
+    """dst <- src (contiguous, same shape), written `delay_us` after the copy starts; the kernel launched
+    after it on the stream may start at once."""
     d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).contiguous().view(torch.uint8)
     _late_copy_kernel[(1,)](s, d, d.numel(), delay_us * 1000, BLOCK=1024, launch_pdl=True)
 
@@ -113,14 +115,14 @@ def test_qk_norm_rope_store_waits():
     pos = torch.tensor([5, 17, 40], device=DEV)
     rows = torch.tensor([0, 33, 70], device=DEV)  # slots in pages 0, 1 and 2
     cache = torch.zeros(4, 2, page, kv, d, device=DEV, dtype=BF16)
-    reads_late_input(lambda: [norm.qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, pos, rows, cache, heads, kv, d,
-                                                      page), cache], [qkv, pos])
+    reads_late_input(lambda: [norm.qk_norm_rope_store(qkv, qw, kw, 1e-6, cos, sin, pos, rows, cache, heads,
+                                                      kv, d, page), cache], [qkv, pos])
 
 
 def test_decode_attention_waits():
-    """The graphs' decode attention reads its page table (filled before the step) and starts its K and V rows into
-    the L2 cache before its wait; q and the cache, which the kernel before writes (the newest token's K and V), it
-    reads after. 200 tokens: two programs per KV head and their merge."""
+    """The graphs' decode attention reads its page table (filled before the step) and starts its K and V rows
+    into the L2 cache before its wait; q and the cache, which the kernel before writes (the newest token's K
+    and V), it reads after. 200 tokens: two programs per KV head and their merge."""
     from tp_engine.kernels import decode_attention as da
     g = torch.Generator(device=DEV).manual_seed(4)
     heads, kv, d, page, n = 32, 8, 128, 16, 200
@@ -150,7 +152,8 @@ def test_fp8_and_moe_kernels_wait(fp8):
     down = torch.randn(e, h, i, device=DEV, generator=g).to(BF16) * 0.05
     if fp8:
         rows = lambda n: (torch.arange(n, device=DEV) // 128).to(torch.int32)  # noqa: E731
-        gate_up, down = (t.float().mul(2000).clamp(-448, 448).to(torch.float8_e4m3fn) for t in (gate_up, down))
+        gate_up, down = (t.float().mul(2000).clamp(-448, 448).to(torch.float8_e4m3fn)
+                         for t in (gate_up, down))
         scales = ExpertScales(torch.full((e, 2 * i // 128, h // 128), 1 / 2000, device=DEV), rows(2 * i),
                               torch.full((e, h // 128, i // 128), 1 / 2000, device=DEV), rows(h), 0, 128)
         w8 = torch.randn(640, h, device=DEV, generator=g).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn)

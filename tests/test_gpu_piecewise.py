@@ -37,15 +37,16 @@ def test_chunked_prompts_through_graph_pieces_follow_transformers(tiny_ckpt, hf_
 
 
 def test_decode_rows_in_the_pieces_list_more_pages_than_the_pool_holds(tiny_ckpt, hf_ref):
-    """Eight prompts sharing 32 tokens (8 pages of 4) through a pool of 40 pages, prefilled in chunks beside the
-    requests already decoding: the decode rows' page table lists each shared page once per row, more page ids
-    than the pool has pages, and the pieces' table takes them; tokens follow transformers."""
+    """Eight prompts sharing 32 tokens (8 pages of 4) through a pool of 40 pages, prefilled in chunks beside
+    the requests already decoding: the decode rows' page table lists each shared page once per row, more page
+    ids than the pool has pages, and the pieces' table takes them; tokens follow transformers."""
     needs_flashinfer()
     m = llm(tiny_ckpt, max_prefill_tokens=12, kv_cache={"num_pages": 40, "page_size": 4})
     e = m.engine
     listed = []
     load = e.pieces._load_decode_rows
-    e.pieces._load_decode_rows = lambda table: listed.append(0 if table is None else len(table[2])) or load(table)
+    e.pieces._load_decode_rows = \
+        lambda table: listed.append(0 if table is None else len(table[2])) or load(table)
     prompts = [SEQUENCES[0][:n].tolist() for n in range(33, 41)]  # with 8 new tokens, all within the sequence
     ours = generate(m, prompts, max_new_tokens=8)
     assert max(listed) > e.kv.num_pages

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm, needs_flashinfer,
-                         step_batch)
+from gpu_helpers import (BF16, DEV, HAS_CUDA, SEQUENCES, assert_parity, generate, hf_greedy, llm,
+                         needs_flashinfer, step_batch)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
 # prompts that are prefixes of one another, identical ones, and others: pages are shared within a step
-SHARED = [SEQUENCES[0][:n].tolist() for n in (16, 24, 33, 24, 40)] + [SEQUENCES[1][:n].tolist() for n in (20, 20, 31)]
+SHARED = [SEQUENCES[0][:n].tolist() for n in (16, 24, 33, 24, 40)] + \
+    [SEQUENCES[1][:n].tolist() for n in (20, 20, 31)]
 
 
 def test_prefix_cache_on_equals_off_with_cuda_graphs(tiny_ckpt, hf_ref):
@@ -32,7 +33,8 @@ def test_prefix_cache_on_equals_off_with_cuda_graphs(tiny_ckpt, hf_ref):
         assert m.engine.graphs is not None
         params = dict(max_new_tokens=8, ignore_eos=True)
         first = m.generate([{"input_ids": p} for p in SHARED], _params(**params))
-        second = m.generate([{"input_ids": p} for p in SHARED[:3]], _params(**params))  # the first call's pages
+        # the first call's pages
+        second = m.generate([{"input_ids": p} for p in SHARED[:3]], _params(**params))
         out[cache] = [o["output_token_ids"] for o in first + second]
         hits = sum(o["cached_prompt_tokens"] for o in first + second)
         assert (hits > 0) == cache
@@ -106,7 +108,8 @@ def test_tp2_prefix_cache_and_chunks_equal_plain_run(tiny_ckpt, hf_ref, tmp_path
     runs = {}
     for name, extra in (("on", {"max_prefill_tokens": 12}), ("off", {"prefix_cache": False})):
         cfg = {"model": tiny_ckpt, "prompts": [{"input_ids": p} for p in SHARED], "max_batch_size": 8,
-               "output": str(tmp_path / f"{name}.jsonl"), "sampling": {"max_new_tokens": 8, "ignore_eos": True},
+               "output": str(tmp_path / f"{name}.jsonl"),
+               "sampling": {"max_new_tokens": 8, "ignore_eos": True},
                "kv_cache": {"num_pages": 256, "page_size": 8}, "cuda_graph_max_batch": 8, **extra}
         path = tmp_path / f"{name}.yaml"
         path.write_text(json.dumps(cfg))  # JSON is YAML

@@ -29,7 +29,8 @@ BF16 = torch.bfloat16
 SLOT = 1 << 16  # values per rank and half: messages up to 64 Ki values
 
 
-def group(world: int, start_call: int = 1, timeout_s: float = 5.0, trap: bool = False, cooperative: bool = False):
+def group(world: int, start_call: int = 1, timeout_s: float = 5.0, trap: bool = False,
+          cooperative: bool = False):
     """W emulated ranks: (their PushState, a stream each)."""
     from tp_engine.comm.push_all_reduce import PushState
     bufs = [torch.zeros(2 * world * SLOT, dtype=torch.int64, device=DEV) for _ in range(world)]
@@ -106,7 +107,9 @@ def test_push_all_reduce_rmsnorm_any_world(world):
         res = torch.randn(rows, hidden, device=DEV, generator=gen).to(BF16)
         w = (torch.rand(hidden, device=DEV, generator=gen) + 0.5).to(BF16)
         skew = [random.choice([0, 50_000]) for _ in range(world)]
-        outs = on_all(states, streams, lambda r, go=True: push_all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, states[r], go), skew)
+        outs = on_all(states, streams,
+                      lambda r, go=True: push_all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, states[r], go),
+                      skew)
         ref_out, ref_res = norm.add_rmsnorm(rank_order_sum(xs), res, w, 1e-6)
         for r in range(world):
             assert torch.equal(outs[r][1], ref_res), (call, r)
@@ -122,7 +125,8 @@ def test_push_all_reduce_across_the_tag_wrap():
     gen = torch.Generator(device=DEV).manual_seed(3)
     for call in range(8):
         xs = [torch.randn(4096, device=DEV, generator=gen).to(BF16) + 1 for _ in range(2)]
-        outs = on_all(states, streams, lambda r, go=True: push_all_reduce(xs[r], states[r], go), [0, 2_000_000])
+        outs = on_all(states, streams, lambda r, go=True: push_all_reduce(xs[r], states[r], go),
+                      [0, 2_000_000])
         want = rank_order_sum(xs)
         assert torch.equal(outs[0], want) and torch.equal(outs[1], want), call
     assert int(states[0].state[0]) == (1 << 32) + 5

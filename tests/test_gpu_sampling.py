@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 
 
 def logprob_tolerance(logits: torch.Tensor) -> float:
-    """The engine's logits come from bf16 activations and a bf16 LM head: gpu_helpers' near-tie rule bounds how
-    far one bf16 logit strays from the fp32 reference (2% of the largest logit, at least 0.1). A log-probability
-    is a logit minus a log-sum-exp dominated by the largest logits, so it may stray twice that."""
+    """The engine's logits come from bf16 activations and a bf16 LM head: gpu_helpers' near-tie rule bounds
+    how far one bf16 logit strays from the fp32 reference (2% of the largest logit, at least 0.1). A
+    log-probability is a logit minus a log-sum-exp dominated by the largest logits, so it may stray twice
+    that."""
     return 2 * max(NEAR_TIE_ABS, NEAR_TIE_REL * logits.abs().max().item())
 
 
@@ -42,7 +43,8 @@ def check_logprobs(ref, prompts, outs) -> int:
         assert [e["token"] for e in out["logprobs"]] == ids
         for t, e in enumerate(out["logprobs"]):
             tol = logprob_tolerance(logits[t])
-            assert abs(e["logprob"] - lp[t, ids[t]].item()) < tol, (t, e["logprob"], lp[t, ids[t]].item(), tol)
+            want = lp[t, ids[t]].item()
+            assert abs(e["logprob"] - want) < tol, (t, e["logprob"], want, tol)
             assert e["top"][0][0] == ids[t]  # greedy: the chosen token is the most likely
             values = [v for _, v in e["top"]]
             assert values == sorted(values, reverse=True) and len(values) == 5
@@ -69,20 +71,23 @@ def test_logprobs_and_samples_at_tp2(tiny_ckpt, hf_ref, tmp_path):
     prompts = PARITY_PROMPTS[:4]
     lines = {}
     for name, sampling in (("greedy", {"logprobs": 5}),
-                           ("sampled", {"logprobs": 3, "n": 2, "temperature": 0.8, "top_k": 20, "top_p": 0.95})):
+                           ("sampled", {"logprobs": 3, "n": 2, "temperature": 0.8, "top_k": 20,
+                                        "top_p": 0.95})):
         out = tmp_path / f"{name}.jsonl"
         cfg = {"model": tiny_ckpt, "prompts": [{"input_ids": p} for p in prompts], "output": str(out),
-               "sampling": {"max_new_tokens": 12, "ignore_eos": True, **sampling}, "kv_cache": {"num_pages": 256},
-               "max_batch_size": 8, "cuda_graph_max_batch": 8}
+               "sampling": {"max_new_tokens": 12, "ignore_eos": True, **sampling},
+               "kv_cache": {"num_pages": 256}, "max_batch_size": 8, "cuda_graph_max_batch": 8}
         (tmp_path / f"{name}.yaml").write_text(json.dumps(cfg))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "launch/generate.py", "--config", str(tmp_path / f"{name}.yaml"), "--quiet"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={free_port()}", "launch/generate.py", "--config",
+               str(tmp_path / f"{name}.yaml"), "--quiet"]
         proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                               timeout=150, env=dict(os.environ))
         assert proc.returncode == 0, proc.stderr[-6000:]
         lines[name] = [json.loads(x) for x in out.read_text().splitlines()]
     assert check_logprobs(hf_ref, prompts, lines["greedy"]) == 48
-    assert [(x["index"], x["sample"]) for x in lines["sampled"]] == [(i, j) for i in range(4) for j in range(2)]
+    assert [(x["index"], x["sample"]) for x in lines["sampled"]] == \
+        [(i, j) for i in range(4) for j in range(2)]
     for x in lines["sampled"]:
         assert [e["token"] for e in x["logprobs"]] == x["output_token_ids"]
         assert all(len(e["top"]) == 3 and e["logprob"] <= e["top"][0][1] + 1e-6 for e in x["logprobs"])
@@ -126,8 +131,8 @@ def test_logprobs_rank_ties_on_cuda_as_on_the_cpu():
 
 
 def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
-    """temperature 0.6, top_k 20, top_p 0.95 (Qwen3's generation_config.json): every row's candidates come from
-    kernels/sampling.topk_candidates; the draws equal the CPU full-sort reference, bf16 ties included."""
+    """temperature 0.6, top_k 20, top_p 0.95 (Qwen3's generation_config.json): every row's candidates come
+    from kernels/sampling.topk_candidates; the draws equal the CPU full-sort reference, bf16 ties included."""
     from tp_engine.kernels import select
 
     ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
@@ -144,8 +149,8 @@ def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
 
 
 def test_a_nan_logit_is_what_every_kernel_draw_picks():
-    """As on the CPU (test_sampling.py): the fused draws pick the first NaN of a row, whatever its sign bit, in
-    fp32 and bf16 logits; the top-k draw among the candidates returned an id past the vocabulary."""
+    """As on the CPU (test_sampling.py): the fused draws pick the first NaN of a row, whatever its sign bit,
+    in fp32 and bf16 logits; the top-k draw among the candidates returned an id past the vocabulary."""
     from tp_engine.kernels import select
 
     ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip
@@ -157,7 +162,8 @@ def test_a_nan_logit_is_what_every_kernel_draw_picks():
     logits[:, 3] = 30.0
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
               SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_k=100),
-              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
+              SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
     for rows in (logits.to(DEV), logits.to(DEV, torch.bfloat16)):
         assert sampler._kernels(rows, ops) is not None
         got = sample(rows, params, [11 * i for i in range(6)], [0] * 6, ops)
@@ -182,9 +188,9 @@ def test_fused_draw_handles_the_top_hash_value_like_the_torch_path():
 
 
 def test_greedy_argmax_kernel_equals_torch_over_many_calls():
-    """kernels/sampling.argmax merges each row's chunks in the row's last program (an atomic counter it resets):
-    over calls queued back to back, with more rows than its first counters and ties, NaN and -inf rows, every
-    result equals torch.argmax."""
+    """kernels/sampling.argmax merges each row's chunks in the row's last program (an atomic counter it
+    resets): over calls queued back to back, with more rows than its first counters and ties, NaN and -inf
+    rows, every result equals torch.argmax."""
     from tp_engine.kernels import select
 
     ops = select(DEV, "on")

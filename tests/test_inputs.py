@@ -46,7 +46,8 @@ main(["--config", {str(conf)!r}, "--set", "sampling.top_p=0.5", "--print-config"
 print("print-config", "torch" in sys.modules)
 print("bad", main(["--config", {str(conf)!r}]), "torch" in sys.modules)
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
     assert "must be in (0, 1]; got 3.0" in proc.stderr, proc.stderr[-2000:]
     said = [line for line in proc.stdout.splitlines() if line.startswith(("help ", "print-config ", "bad "))]
     assert said == ["help 0 False", "print-config False", "bad 2 False"], proc.stdout[-2000:]
@@ -70,19 +71,23 @@ def test_prompts_file_that_is_not_utf8_names_file_line_and_column(tmp_path, caps
 
 
 def test_prompts_file_lines_end_at_newlines_only(tmp_path, capsys):
-    # U+2028 may stand raw inside a JSON string; str.splitlines() would cut the line there. CRLF ends are fine.
-    conf, pf = config_with_prompts_file(tmp_path, '{"prompt": "one\u2028two"}\r\n{"input_ids": [1, 2]}\n'.encode())
+    # U+2028 may stand raw inside a JSON string; str.splitlines() would cut the line there.
+    # CRLF ends are fine.
+    conf, pf = config_with_prompts_file(tmp_path,
+                                        '{"prompt": "one\u2028two"}\r\n{"input_ids": [1, 2]}\n'.encode())
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 0, err
     from tp_engine.frontend.prompts import read_prompts
-    assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"}, {"input_ids": array("i", [1, 2])}]
+    assert read_prompts(build_config(str(conf))) == [{"prompt": "one\u2028two"},
+                                                     {"input_ids": array("i", [1, 2])}]
 
 
 def test_unreadable_config_or_prompts_file_is_one_message(tmp_path, capsys, monkeypatch):
     """A file the user may not read, or a folder given as one: one line and exit 2, not a traceback."""
     conf, pf = config_with_prompts_file(tmp_path, b'{"prompt": "a"}\n')
     real = Path.read_bytes
-    for denied in (pf, conf):  # as a user without read permission sees it (tests may run as root, which may read)
+    # as a user without read permission sees it (tests may run as root, which may read)
+    for denied in (pf, conf):
         def read_bytes(path, denied=denied):
             if Path(path) == denied:
                 raise PermissionError(13, "Permission denied", str(path))
@@ -120,7 +125,8 @@ def test_rank0_holds_a_jobs_prompt_ids_in_a_few_bytes_a_token(tmp_path, monkeypa
         return held["start"]
     job(4)  # imports and caches
     short, long = job(4), job(204)
-    assert (long - short) / (1000 * 200) < 12, f"{short:,} bytes held for 1,000 x 4 ids, {long:,} for 1,000 x 204"
+    assert (long - short) / (1000 * 200) < 12, \
+        f"{short:,} bytes held for 1,000 x 4 ids, {long:,} for 1,000 x 204"
 
 
 def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(monkeypatch):
@@ -131,16 +137,20 @@ def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(mon
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     words = "the rabbit hole went straight on like a tunnel and then dipped suddenly down".split()
     texts = [" ".join(words[i % 7:i % 11 + 3]) + f" {i}" for i in range(TOKENIZE_BATCH + 300)]
-    prompts = [*texts, {"messages": [{"role": "user", "content": "Hi"}]}, {"input_ids": [3, 4]}, "bad \ud800", 5]
+    prompts = [*texts, {"messages": [{"role": "user", "content": "Hi"}]},
+               {"input_ids": [3, 4]}, "bad \ud800", 5]
     enc = PromptEncoder(str(DEMO))
     calls = []
     real = type(enc.tokenizer).__call__
-    monkeypatch.setattr(type(enc.tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(type(enc.tokenizer), "__call__",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     got = enc.encode_all(prompts)
     expected = [tok.encode(t, add_special_tokens=False) for t in texts]
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
     assert [list(x) for x in got[:-2]] == [*expected, tok.encode(chat, add_special_tokens=False), [3, 4]]
-    assert isinstance(got[-2], PromptError) and "lone surrogate" in str(got[-2]) and isinstance(got[-1], PromptError)
+    assert isinstance(got[-2], PromptError) and "lone surrogate" in str(got[-2])
+    assert isinstance(got[-1], PromptError)
     assert len(calls) == 2  # two batches, not a call per prompt
     monkeypatch.setattr(type(enc.tokenizer), "__call__", lambda self, *a, **k: 1 / 0)  # a batch that fails
     assert [list(x) for x in enc.encode_all(texts[:5])] == expected[:5]
@@ -171,7 +181,8 @@ def test_encoding_a_jobs_texts_holds_a_batch_of_them_as_python_ints(monkeypatch)
 
 def test_input_ids_given_as_an_array_of_floats_are_refused():
     from tp_engine.frontend.prompts import PromptEncoder, PromptError
-    got = PromptEncoder(str(DEMO)).encode_all([{"input_ids": array("d", [5.0, 6.5])}, {"input_ids": array("i", [5])}])
+    got = PromptEncoder(str(DEMO)).encode_all([{"input_ids": array("d", [5.0, 6.5])},
+                                               {"input_ids": array("i", [5])}])
     assert isinstance(got[0], PromptError) and "input_ids must be a list of integers" in str(got[0])
     assert list(got[1]) == [5]
 
@@ -202,7 +213,8 @@ def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
     prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
                {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob",
                {"prompt": "Alice", "max_tokens": 3}, {"promt": "Alice"}]
-    proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}}, tmp_path, nproc=1)
+    proc, lines = run_cli({"model": str(DEMO), "prompts": prompts, "sampling": {"max_new_tokens": 2}},
+                          tmp_path, nproc=1)
     assert proc.returncode == 0, proc.stderr[-2000:]  # finished: every prompt has its line
     assert [line["finish_reason"] for line in lines] == ["error"] * 4 + ["length"] + ["error"] * 2
     known = "(its keys: 'prompt', 'input_ids', 'messages')"
@@ -212,16 +224,19 @@ def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
     assert lines[1]["error"] == "a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got " \
                                 "['prompt', 'input_ids']"
     assert lines[2]["error"] == "the prompt is not valid Unicode: a lone surrogate \\ud83d at character 3"
-    assert lines[3]["error"] == "message 0's content is not valid Unicode: a lone surrogate \\ud800 at character 1"
+    assert lines[3]["error"] == \
+        "message 0's content is not valid Unicode: a lone surrogate \\ud800 at character 1"
 
 
 # ---- config.json ----
 
 CONFIG_JSON_CASES = {
-    "string_for_int": ({"num_attention_heads": "4"}, "field 'num_attention_heads' must be an integer >= 1, got \"4\""),
+    "string_for_int": ({"num_attention_heads": "4"},
+                       "field 'num_attention_heads' must be an integer >= 1, got \"4\""),
     "null_for_float": ({"rms_norm_eps": None}, "field 'rms_norm_eps' must be a positive number, got null"),
     "bool_for_int": ({"hidden_size": True}, "field 'hidden_size' must be an integer >= 1, got true"),
-    "string_for_bool": ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false"),
+    "string_for_bool": ({"tie_word_embeddings": "false"},
+                        "field 'tie_word_embeddings' must be true or false"),
     "not_an_object": ([1, 2], "must hold a JSON object, got list"),
     "string_for_window_layers": ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "1"},
                                  "field 'max_window_layers' must be an integer >= 0, got \"1\""),
@@ -261,10 +276,12 @@ def test_sampling_params_follow_the_config_rules(name, value):
     from tp_engine.sampling.sampler import SamplingParams
     key = "seed" if name == "seed" else f"sampling.{name}"
     with pytest.raises(ConfigError) as from_config:
-        build_config(model=str(DEMO), prompts=[], **({name: value} if name == "seed" else {"sampling": {name: value}}))
+        build_config(model=str(DEMO), prompts=[],
+                     **({name: value} if name == "seed" else {"sampling": {name: value}}))
     with pytest.raises(ConfigError) as from_api:
         SamplingParams(**{name: value})
-    assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'", f"SamplingParams.{name}")
+    assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'",
+                                                                 f"SamplingParams.{name}")
     if name == "temperature":  # as the docs quote it (it said "an integer or a number")
         assert str(from_api.value) == "SamplingParams.temperature must be a number, got '0.7' (str)"
 
@@ -297,19 +314,22 @@ def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp
     assert proc.returncode == (2 if nproc == 0 else 1), proc.stderr[-3000:]  # torchrun: 1 when a rank fails
     assert "alloc_cpu" not in proc.stderr and (nproc == 0 or re.search(r"exitcode\s*: 2\b", proc.stderr))
     assert f"{ckpt}/config.json: the model does not fit in cpu memory" in proc.stderr
-    assert "vocab_size 100000000000, hidden_size" in proc.stderr and "use more ranks or FP8 weights" in proc.stderr
+    assert "vocab_size 100000000000, hidden_size" in proc.stderr
+    assert "use more ranks or FP8 weights" in proc.stderr
 
 
 def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start_up(caplog, monkeypatch):
-    """Requests longer than the pool end with finish_reason length: the start-up line says where the limit is."""
+    """Requests longer than the pool end with finish_reason length: the start-up line says where the limit
+    is."""
     import logging
     from tp_engine.runtime import memory_plan
     from tp_engine.llm import LLM
-    monkeypatch.setattr(memory_plan, "budget_pages", lambda *a: 4)  # as a small default pool on the CPU would be
+    # as a small default pool on the CPU would be
+    monkeypatch.setattr(memory_plan, "budget_pages", lambda *a: 4)
     with caplog.at_level(logging.INFO, logger="tp_engine"):
         LLM(model=str(DEMO), device="cpu").shutdown()
-    assert ("KV cache: 4 pages of 16 tokens = 64 tokens per rank; a request holds at most 64 of max_model_len 512 "
-            "tokens (kv_cache.num_pages sets the pool)") in caplog.text
+    assert ("KV cache: 4 pages of 16 tokens = 64 tokens per rank; a request holds at most 64 of "
+            "max_model_len 512 tokens (kv_cache.num_pages sets the pool)") in caplog.text
 
 
 def test_llm_says_which_keys_only_the_command_line_reads(tmp_path, caplog):
@@ -318,8 +338,8 @@ def test_llm_says_which_keys_only_the_command_line_reads(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tp_engine"):
         LLM(model=str(DEMO), device="cpu", output=str(tmp_path / "o.jsonl"), stream=True,
             fail_on_prompt_error=True).shutdown()
-    assert "config keys output, stream, fail_on_prompt_error are read by the command line only: LLM ignores them" \
-        in caplog.text
+    assert "config keys output, stream, fail_on_prompt_error are read by the command line only: " \
+           "LLM ignores them" in caplog.text
 
 
 def test_sampling_params_without_a_seed_take_the_llms():
@@ -343,8 +363,10 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
     llm = LLM(model=str(DEMO), device="cpu")
     params = SamplingParams(max_new_tokens=40, stop=" sister")
     assert params.stop == [" sister"]
-    (out,) = llm.generate("Alice was beginning to get very tired", params)  # one prompt, not one per character
-    assert (out["finish_reason"], out["text"]) == ("stop", " of sitting by her")  # cut at the string, not a letter
+    # one prompt, not one per character
+    (out,) = llm.generate("Alice was beginning to get very tired", params)
+    # cut at the string, not a letter
+    assert (out["finish_reason"], out["text"]) == ("stop", " of sitting by her")
     (again,) = llm.generate(out["prompt_token_ids"], SamplingParams(max_new_tokens=3))  # one list of ids
     assert again["prompt_token_ids"] == out["prompt_token_ids"] and len(again["output_token_ids"]) == 3
     with pytest.raises(TypeError):
@@ -355,8 +377,9 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
 
 
 def test_stop_strings_keep_nothing_of_a_finished_request():
-    """The window of each request was kept by its id until the end of generate: memory for every request of the
-    job, and, once finished requests are freed, a new request with a finished one's id took its window over."""
+    """The window of each request was kept by its id until the end of generate: memory for every request of
+    the job, and, once finished requests are freed, a new request with a finished one's id took its window
+    over."""
     import gc
     from transformers import AutoTokenizer
     from tp_engine.frontend.prompts import PromptEncoder
@@ -374,8 +397,9 @@ def test_stop_strings_keep_nothing_of_a_finished_request():
 
 
 def test_generate_runs_the_prompts_it_was_given_and_keeps_none_after_a_failed_call():
-    """Requests are made as the scheduler has room, so generate read the caller's list while it ran (a change from
-    on_finish changed what ran), and after a failed call the scheduler kept the half-read list to the next."""
+    """Requests are made as the scheduler has room, so generate read the caller's list while it ran (a change
+    from on_finish changed what ran), and after a failed call the scheduler kept the half-read list to the
+    next."""
     import gc
     import weakref
     from tp_engine.llm import LLM
@@ -405,8 +429,10 @@ def test_generate_runs_the_prompts_it_was_given_and_keeps_none_after_a_failed_ca
 # ---- mistakes in the config's structure, and values no run can use ----
 
 def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
-    conf = tmp_path / "run.yaml"  # PyYAML alone keeps the second section: temperature 0.7 would be lost unsaid
-    conf.write_text(f"model: {DEMO}\nsampling:\n  temperature: 0.7\nprompts: [hi]\nsampling:\n  max_new_tokens: 4\n")
+    # PyYAML alone keeps the second section: temperature 0.7 would be lost unsaid
+    conf = tmp_path / "run.yaml"
+    conf.write_text(f"model: {DEMO}\nsampling:\n  temperature: 0.7\nprompts: [hi]\n"
+                    "sampling:\n  max_new_tokens: 4\n")
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 2 and "key 'sampling' is given twice (lines 2 and 5)" in err, err
     # in its section and by its dotted name: the later one won, either way round, without a word
@@ -416,8 +442,8 @@ def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
         first, second = (two[i] for i in order)
         conf.write_text(f"model: {DEMO}\nprompts: [hi]\n{first[0]}{second[0]}")
         code, err = cli(capsys, "--config", str(conf), "--print-config")
-        assert code == 2 and f"config key 'sampling.temperature' is given twice: as {first[1]} and as {second[1]}" \
-            in err, err
+        assert code == 2 and f"config key 'sampling.temperature' is given twice: as {first[1]} and as " \
+            f"{second[1]}" in err, err
     conf.write_text(f"model: {DEMO}\nprompts: [hi]\n")  # --set twice: the last one, as on any command line
     cfg = build_config(str(conf), overrides=["sampling.temperature=0.3", "sampling.temperature=0.4"])
     assert cfg["sampling"]["temperature"] == 0.4
@@ -428,7 +454,8 @@ def test_yaml_merge_keys_are_read_and_unhashable_keys_refused(tmp_path, capsys):
     conf.write_text(f"model: {DEMO}\nprompts: [&p {{messages: [{{role: user, content: hi}}]}}, {{<<: *p}}]\n")
     first, second = build_config(str(conf))["prompts"]
     assert first == second == {"messages": [{"role": "user", "content": "hi"}]}
-    conf.write_text(f"model: {DEMO}\nprompts: [hi]\n[a]: 1\n")  # a key that is a list: one message, no traceback
+    # a key that is a list: one message, no traceback
+    conf.write_text(f"model: {DEMO}\nprompts: [hi]\n[a]: 1\n")
     code, err = cli(capsys, "--config", str(conf), "--print-config")
     assert code == 2 and "is not valid YAML" in err and "found unhashable key" in err, err
     with pytest.raises(ConfigError, match="--set prompts"):
@@ -436,24 +463,30 @@ def test_yaml_merge_keys_are_read_and_unhashable_keys_refused(tmp_path, capsys):
 
 
 SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
-    "section_as_mapping": (["sampling={temperature: 0.5, top_k: 3}"], ("sampling", {"temperature": 0.5, "top_k": 3})),
+    "section_as_mapping": (["sampling={temperature: 0.5, top_k: 3}"],
+                           ("sampling", {"temperature": 0.5, "top_k": 3})),
     "pool_as_mapping": (["kv_cache={num_pages: 4}"], ("kv_cache", {"num_pages": 4})),
     "entry_of_a_mapping_key": (["chat_template_kwargs={a: 1}", "chat_template_kwargs.enable_thinking=false"],
                                ("chat_template_kwargs", {"a": 1, "enable_thinking": False})),
     "exponent_without_a_point": (["sampling.temperature=1e-3"], ("sampling", {"temperature": 0.001})),
-    "bare_off_in_yaml": (["advanced.fused_kernels=off"], ("advanced", {"fused_kernels": "off"})),  # YAML: false
+    # YAML: false
+    "bare_off_in_yaml": (["advanced.fused_kernels=off"], ("advanced", {"fused_kernels": "off"})),
     "bare_on_in_yaml": (["advanced.fused_kernels=on"], ("advanced", {"fused_kernels": "on"})),
     "home_folder": (["output=~/runs/out.jsonl"], ("output", str(Path.home() / "runs" / "out.jsonl"))),
     "section_as_number": (["kv_cache=4"], "config key 'kv_cache' must be a mapping of its keys (such as "
                                           "'kv_cache.page_size'); got 4"),
     "endless_timeout": (["timeout_s=99999999999"], "config key 'timeout_s' must be between 1 and 2592000"),
-    "infinite_temperature": (["sampling.temperature=.inf"], "config key 'sampling.temperature' must be a finite"),
+    "infinite_temperature": (["sampling.temperature=.inf"],
+                             "config key 'sampling.temperature' must be a finite"),
     "template_argument_of_the_engine": (["chat_template_kwargs={add_generation_prompt: false}"],
-                                        "cannot set add_generation_prompt: apply_chat_template's own arguments"),
-    "template_argument_with_no_effect": (["chat_template_kwargs={max_length: 8, truncation: true}"],  # no effect
-                                         "cannot set max_length, truncation: apply_chat_template's own arguments"),
+                                        "cannot set add_generation_prompt: apply_chat_template's own "
+                                        "arguments"),
+    "template_argument_with_no_effect": (["chat_template_kwargs={max_length: 8, truncation: true}"],
+                                         "cannot set max_length, truncation: apply_chat_template's own "
+                                         "arguments"),
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
-    "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],  # every prompt used to fail on it instead
+    # every prompt used to fail on it instead
+    "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],
                                        "config key 'chat_template_kwargs' must have string keys"),
     # an empty output is a mistake (a shell variable left unset, say), not stdout; "-" is stdout, no file "-"
     "empty_output": (["output="], "config key 'output' is an empty string: give a file path, or \"-\" (or no "
@@ -525,7 +558,8 @@ def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path,
     ro.write_text("kept\n")
     ro.chmod(0o444)
     real = os.access  # as a user other than root sees a read-only file
-    monkeypatch.setattr(output_file.os, "access", lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
+    monkeypatch.setattr(output_file.os, "access",
+                        lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
     with pytest.raises(ConfigError, match=f"output {ro}: no permission to write {ro}"):
         check_target(str(ro), {}, str(DEMO))
     with pytest.raises(ConfigError, match="ends in '/': it must name a file"):
@@ -538,8 +572,8 @@ def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path,
 
 
 def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_path, monkeypatch):
-    """Every write goes through a temporary file and a rename in the output's folder: a writable output in a folder
-    the user may not write in was accepted, and the run failed at its first result with a traceback."""
+    """Every write goes through a temporary file and a rename in the output's folder: a writable output in a
+    folder the user may not write in was accepted, and the run failed at its first result with a traceback."""
     from tp_engine.frontend import output_file
     from tp_engine.frontend.output_file import check_target
     ro = tmp_path / "ro"
@@ -547,12 +581,14 @@ def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_
     out = ro / "out.jsonl"
     out.write_text("kept\n")
     real = os.access  # as a user other than root sees a read-only folder
-    monkeypatch.setattr(output_file.os, "access", lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
+    monkeypatch.setattr(output_file.os, "access",
+                        lambda p, m: real(p, m) and not (Path(p) == ro and m & os.W_OK))
     with pytest.raises(ConfigError, match=f"^output {out}: no permission to write in its folder {ro}$"):
         check_target(str(out), {}, str(DEMO))
     deeper = ro / "a" / "b" / "out.jsonl"
-    with pytest.raises(ConfigError, match=f"^output {deeper}: no permission to create its folder {deeper.parent} "
-                                          f"in {ro}$"):
+    with pytest.raises(ConfigError,
+                       match=f"^output {deeper}: no permission to create its folder {deeper.parent} "
+                             f"in {ro}$"):
         check_target(str(deeper), {}, str(DEMO))
     assert out.read_text() == "kept\n" and not (ro / "a").exists()
 
@@ -569,7 +605,8 @@ def test_an_output_of_another_user_in_a_sticky_folder_is_refused_at_start_up(tmp
     check_target(str(out), {}, str(DEMO))  # a new file: the run makes it, and owns it
     out.write_text("theirs\n")
     monkeypatch.setattr(output_file.os, "geteuid", lambda: os.stat(out).st_uid + 1)  # as another user
-    with pytest.raises(ConfigError, match=f"^output {out}: {out} belongs to another user, and in {folder} \\(sticky\\)"):
+    with pytest.raises(ConfigError,
+                       match=f"^output {out}: {out} belongs to another user, and in {folder} \\(sticky\\)"):
         check_target(str(out), {}, str(DEMO))
     folder.chmod(0o777)
     check_target(str(out), {}, str(DEMO))
@@ -604,7 +641,8 @@ class Exited(BaseException):
 
 
 def output_file_lines(call) -> list:
-    """(code, line) of each line of tp_engine/frontend/output_file.py that `call()` runs, first runs only, in order."""
+    """(code, line) of each line of tp_engine/frontend/output_file.py that `call()` runs, first runs only, in
+    order."""
     import sys
     from tp_engine.frontend import output_file
     lines = []
@@ -649,7 +687,8 @@ def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
     inside release() (torchrun's SIGTERM after a rank died, as rank 0 ends): at any line of it, the handler's
     release must finish the work without an error (it once closed the lock's descriptor a second time)."""
     from tp_engine.frontend import output_file
-    lines = output_file_lines(output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl").release)
+    lock = output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl")
+    lines = output_file_lines(lock.release)
     for n, (code, line) in enumerate(lines):
         target = tmp_path / str(n) / "a" / "out.jsonl"
         lock = output_file.OutputLock(target, str(target))
@@ -696,7 +735,8 @@ def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporar
 
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
     """When the first result's write failed, the message on stopping said that finished results were in the
-    output, which still held the earlier run's lines only; a result is counted as kept once it is in the file."""
+    output, which still held the earlier run's lines only; a result is counted as kept once it is in the
+    file."""
     from tp_engine.frontend import results
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
@@ -733,7 +773,8 @@ def test_shard_index_with_a_list_for_weight_map_is_a_checkpoint_error(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["model-00001.safetensors"]}')
     with pytest.raises(CheckpointError) as err:
         checkpoint_files(str(tmp_path))
-    assert "is not a valid safetensors index ('weight_map' must map tensor names to file names)" in str(err.value)
+    assert "is not a valid safetensors index ('weight_map' must map tensor names to file names)" \
+        in str(err.value)
 
 
 def test_kv_pool_without_room_for_a_page_is_a_start_up_error():
@@ -776,8 +817,10 @@ def test_streamed_text_stops_before_a_stop_string():
 
 
 def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
-    """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop string."""
-    cfg = {"model": str(DEMO), "chat": True, "stream": True, "prompts": ["Alice was beginning to get very tired"],
+    """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop
+    string."""
+    cfg = {"model": str(DEMO), "chat": True, "stream": True,
+           "prompts": ["Alice was beginning to get very tired"],
            "sampling": {"max_new_tokens": 12, "stop": ["e"]}}
     proc, lines = run_cli(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -786,8 +829,8 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
 
 
 def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp_path):
-    """`stream: true | head -c 20`: the closed pipe raised BrokenPipeError on rank 0, the run failed (exit 1) and
-    `output` was never written."""
+    """`stream: true | head -c 20`: the closed pipe raised BrokenPipeError on rank 0, the run failed (exit 1)
+    and `output` was never written."""
     import shlex
     import subprocess
     import sys
@@ -800,7 +843,8 @@ def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp
     conf.write_text(yaml.safe_dump({"model": str(DEMO), "device": "cpu", "stream": True, "output": str(out),
                                     "prompts": ["Alice was beginning to get very tired"],
                                     "sampling": {"max_new_tokens": 120, "stop": []}}))
-    cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(GENERATE))} --config {shlex.quote(str(conf))} | head -c 20"
+    cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(GENERATE))} --config {shlex.quote(str(conf))}" \
+          " | head -c 20"
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -814,14 +858,15 @@ def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
     used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""
     proc, lines = run_cli({"model": str(DEMO), "prompts": [5, 6, 7]}, tmp_path)
     assert "encoded holds" not in proc.stderr, proc.stderr[-2000:]
-    assert [(line["index"], line["finish_reason"]) for line in lines] == [(0, "error"), (1, "error"), (2, "error")]
+    assert [(line["index"], line["finish_reason"]) for line in lines] == \
+        [(0, "error"), (1, "error"), (2, "error")]
     assert all("a prompt must be a string, a list of token ids or an object; got int" in line["error"]
                for line in lines)
 
 
 def test_a_prompt_yaml_read_as_a_boolean_number_or_date_says_to_quote_it():
-    """`- yes`, `- 12:30` and `- 2024-01-01` in a YAML prompt list are True, 750 and a date: the error named only
-    the type, which the prompt as written does not show."""
+    """`- yes`, `- 12:30` and `- 2024-01-01` in a YAML prompt list are True, 750 and a date: the error named
+    only the type, which the prompt as written does not show."""
     from tp_engine.frontend.prompts import PromptEncoder, PromptError
     from tp_engine.base.textio import load_yaml
 
@@ -843,7 +888,8 @@ def _request(output_ids: list[int]):
 
 
 def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bool], str | None]:
-    """StopStrings.hit after each token of `ids`, as the LLM sets it up, and the request's text once it hit."""
+    """StopStrings.hit after each token of `ids`, as the LLM sets it up, and the request's text once it
+    hit."""
     from tp_engine.frontend.prompts import PromptEncoder
     from tp_engine.frontend.stop_strings import StopStrings
     enc = PromptEncoder(str(model_dir))
@@ -862,34 +908,37 @@ def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     special = tok.all_special_ids[0]
-    ids = tok.encode("x a", add_special_tokens=False) + [special] * 13 + tok.encode("b", add_special_tokens=False)
+    ids = (tok.encode("x a", add_special_tokens=False) + [special] * 13
+           + tok.encode("b", add_special_tokens=False))
     hits, text = _stop_hits(tok, DEMO, ids, ["ab"])
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
 
 
 def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found(tmp_path):
-    """decode also skips added tokens marked special in tokenizer.json that the tokenizer does not list among its
-    special tokens (Qwen3's <|fim_prefix|> and five more): the window counted them as text and missed the stop."""
+    """decode also skips added tokens marked special in tokenizer.json that the tokenizer does not list among
+    its special tokens (Qwen3's <|fim_prefix|> and five more): the window counted them as text and missed the
+    stop."""
     import shutil
     from transformers import AutoTokenizer
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / f, tmp_path / f)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     extra = max([*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])]) + 1
-    spec["added_tokens"].append({"id": extra, "content": "<|fim_prefix|>", "single_word": False, "lstrip": False,
-                                 "rstrip": False, "normalized": False, "special": True})
+    spec["added_tokens"].append({"id": extra, "content": "<|fim_prefix|>", "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False, "special": True})
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     assert tok.convert_tokens_to_ids("<|fim_prefix|>") == extra and extra not in tok.all_special_ids
     assert tok.decode([extra], skip_special_tokens=True) == ""
-    ids = tok.encode("x a", add_special_tokens=False) + [extra] * 13 + tok.encode("b", add_special_tokens=False)
+    ids = (tok.encode("x a", add_special_tokens=False) + [extra] * 13
+           + tok.encode("b", add_special_tokens=False))
     hits, text = _stop_hits(tok, tmp_path, ids, ["ab"])
     assert hits == [False] * (len(ids) - 1) + [True] and text == "x "
 
 
 def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_found():
-    """Qwen3's embedding has 151,936 rows for 151,669 tokens: the ids past the tokenizer's decode to nothing, and
-    the window counted them as text and missed the stop (a random-weight model samples them)."""
+    """Qwen3's embedding has 151,936 rows for 151,669 tokens: the ids past the tokenizer's decode to nothing,
+    and the window counted them as text and missed the stop (a random-weight model samples them)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     past = [len(tok) + i for i in range(13)]
@@ -946,12 +995,14 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
     llm = LLM(model=str(model), device="cpu")
     with pytest.raises(ValueError, match="SamplingParams.stop_token_ids instead"):
         llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3, stop=["ab"]))
-    assert len(llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]["output_token_ids"]) == 3
+    out = llm.generate([{"input_ids": [5, 6]}], SamplingParams(max_new_tokens=3))[0]
+    assert len(out["output_token_ids"]) == 3
 
 
 def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens():
     """The look-back window walked back to the first output token when the output ended in special tokens
-    (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per request."""
+    (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per
+    request."""
     from transformers import AutoTokenizer
     from tp_engine.frontend.prompts import PromptEncoder
     from tp_engine.frontend.stop_strings import StopStrings

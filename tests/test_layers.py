@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tp_engine import comm
-from tp_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                              RowParallelLinear, VocabParallelEmbedding)
+from tp_engine.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                              QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 from tp_engine.checkpoint.loader import TensorSource
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
@@ -25,15 +25,18 @@ def _worker(rank, world, init_file, errors):
             check(rank, world)
         except Exception:
             errors.put((name, f"rank {rank}: {traceback.format_exc()}"))
-    comm.shutdown()  # drops every reference to the group first: gloo can abort a process that exits holding one
+    # drops every reference to the group first: gloo can abort a process that exits holding one
+    comm.shutdown()
     gc.collect()
 
 
 def run_checks(world: int, tmp_path) -> dict[str, str]:
-    """Every check on `world` spawned gloo ranks (starting processes is the slow part); name -> first failure."""
+    """Every check on `world` spawned gloo ranks (starting processes is the slow part); name -> first
+    failure."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), errors)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), errors))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -71,14 +74,16 @@ def check_merged(rank, world):
 
 def check_qkv(rank, world, kv_heads):
     heads, d, hidden = 8, 4, 16
-    q, k, v = torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    q = torch.randn(heads * d, hidden)
+    k, v = torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
     x = torch.randn(3, hidden)
     layer = QKVParallelLinear(hidden, d, heads, kv_heads)
     for name, t in zip("qkv", (q, k, v)):
         load(layer.weight, t, name)
     hq = heads // world
     kv_local = max(1, kv_heads // world)
-    first_kv = rank * kv_heads // world if world > kv_heads else rank * kv_local  # replication when world > kv
+    # replication when world > kv
+    first_kv = rank * kv_heads // world if world > kv_heads else rank * kv_local
     want = torch.cat([(x @ q.T)[:, rank * hq * d:(rank + 1) * hq * d],
                       (x @ k.T)[:, first_kv * d:(first_kv + kv_local) * d],
                       (x @ v.T)[:, first_kv * d:(first_kv + kv_local) * d]], -1)
@@ -151,8 +156,8 @@ def check_moe(rank, world):
     assert not calls
     n = inter // world
     mine = slice(rank * n, (rank + 1) * n)
-    torch.testing.assert_close(
-        partial, experts_reference(x, torch.cat([gate[:, mine], up[:, mine]], 1), down[:, :, mine], weights, ids), **TOL)
+    want = experts_reference(x, torch.cat([gate[:, mine], up[:, mine]], 1), down[:, :, mine], weights, ids)
+    torch.testing.assert_close(partial, want, **TOL)
     full = experts_reference(x, torch.cat([gate, up], 1), down, weights, ids)
     torch.testing.assert_close(comm.all_reduce(partial, comm.get_tp()), full, **TOL)
 
@@ -182,7 +187,8 @@ def _set_up_agreement(rank, world):
 CHECKS.update(qkv_split=_qkv_split, qkv_replicated=_qkv_replicated, set_up_agreement=_set_up_agreement)
 
 
-@pytest.mark.parametrize("world", [2, 4])  # one test a world size: the parallel workers never both start its ranks
+# one test a world size: the parallel workers never both start its ranks
+@pytest.mark.parametrize("world", [2, 4])
 def test_parallel_layers_equal_unsharded(world, tmp_path):
     failures = run_checks(world, tmp_path)
     assert not failures, "\n".join(f"{name}: {msg}" for name, msg in failures.items())
@@ -190,12 +196,12 @@ def test_parallel_layers_equal_unsharded(world, tmp_path):
 
 def test_tp_that_cannot_split_heads_names_the_numbers():
     from tp_engine.checkpoint.model_config import ModelConfig, ModelError
-    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
-                                 "num_attention_heads": 6, "num_key_value_heads": 3})
+    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
+                                 "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 3})
     with pytest.raises(ModelError, match="num_attention_heads=6 .* size 4"):
         cfg.check_tp(4)
-    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
-                                 "num_attention_heads": 12, "num_key_value_heads": 3})
+    cfg = ModelConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
+                                 "num_hidden_layers": 1, "num_attention_heads": 12, "num_key_value_heads": 3})
     with pytest.raises(ModelError, match="num_key_value_heads=3 .* size 2"):
         cfg.check_tp(2)
     cfg.check_tp(3)

@@ -40,10 +40,11 @@ def test_no_room_for_the_kv_cache_names_every_term_and_the_keys(monkeypatch):
     with pytest.raises(ValueError) as err:
         memory_plan.num_pages(fake_engine(), per_page=1 << 20, graph_tokens=4096, graph_batch=256)
     assert str(err.value) == (
-        "no room for the KV cache on cuda:0: of 80.00 GiB, 8.00 GiB stay free (kv_cache.gpu_memory_utilization), "
-        "66.00 GiB are in use (the weights 61.00 GiB), the largest step takes 4.00 GiB, the CUDA graphs 2.00 GiB, "
-        "the margin 0.50 GiB: 0.00 GiB for the KV cache; lower max_prefill_tokens, cuda_graph_max_tokens or "
-        "cuda_graph_max_batch, raise kv_cache.gpu_memory_utilization, or use more ranks or FP8 weights")
+        "no room for the KV cache on cuda:0: of 80.00 GiB, 8.00 GiB stay free "
+        "(kv_cache.gpu_memory_utilization), 66.00 GiB are in use (the weights 61.00 GiB), the largest step "
+        "takes 4.00 GiB, the CUDA graphs 2.00 GiB, the margin 0.50 GiB: 0.00 GiB for the KV cache; lower "
+        "max_prefill_tokens, cuda_graph_max_tokens or cuda_graph_max_batch, raise "
+        "kv_cache.gpu_memory_utilization, or use more ranks or FP8 weights")
 
 
 def test_a_step_budget_past_the_measured_one_is_refused():
@@ -53,7 +54,8 @@ def test_a_step_budget_past_the_measured_one_is_refused():
     llm = LLM(model=str(DEMO), device="cpu", max_prefill_tokens=64)
     try:
         llm.engine.cfg["max_prefill_tokens"] = 128
-        with pytest.raises(ValueError, match="max_prefill_tokens 128 is larger than the 64 this engine measured"):
+        with pytest.raises(ValueError,
+                           match="max_prefill_tokens 128 is larger than the 64 this engine measured"):
             llm.generate([[1, 2, 3]])
     finally:
         llm.shutdown()

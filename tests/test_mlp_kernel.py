@@ -1,8 +1,8 @@
-"""The dense MLP's fused gate/up + SiLU at one token (tp_engine/kernels/mlp.py), checked without a GPU: every tile
-in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors; tiles it runs alike, once) against the torch MLP, with
-bf16, fp32 and block-FP8 weights, on shapes below the tile sizes (the masks) and an FP8 shard whose scale rows
-change inside a part. tests/test_moe_kernels.py compiles the tiles for sm_90; tests/test_gpu.py runs them on a
-GPU."""
+"""The dense MLP's fused gate/up + SiLU at one token (tp_engine/kernels/mlp.py), checked without a GPU: every
+tile in Triton's interpreter (TRITON_INTERPRET=1, CPU tensors; tiles it runs alike, once) against the torch
+MLP, with bf16, fp32 and block-FP8 weights, on shapes below the tile sizes (the masks) and an FP8 shard whose
+scale rows change inside a part. tests/test_moe_kernels.py compiles the tiles for sm_90; tests/test_gpu.py
+runs them on a GPU."""
 import pytest
 
 pytest.importorskip("triton")
@@ -26,8 +26,9 @@ def torch_mlp(x, w):  # models/qwen3.Qwen3MLP without the fused kernels
 
 
 def interpreted(tiles, k):
-    """The tiles as the interpreter runs them, each once: it has no warps, and `mlp.fused` clamps the reduction
-    step to the next power of two of the row (here every step of the dense tiles, two of the FP8 ones)."""
+    """The tiles as the interpreter runs them, each once: it has no warps, and `mlp.fused` clamps the
+    reduction step to the next power of two of the row (here every step of the dense tiles, two of the FP8
+    ones)."""
     runs = {}
     for bn, bk, warps in tiles:
         runs.setdefault((bn, min(bk, triton.next_power_of_2(k))), (bn, bk, warps))
@@ -68,7 +69,8 @@ for dt in (torch.float32, torch.bfloat16):
     # a tile (row_align 1)
     pairs = [c for kind, c in mlp.candidates((scale, lay.scale_row, 32, False)) if kind == "paired"]
     assert pairs and all(c[0] % 2 == 0 for c in pairs)
-    for cfg, align in [(c, lay.row_align) for c in pairs[:2 if dt == torch.float32 else 1]] + [((64, 2, 4), 1)]:
+    tried = [(c, lay.row_align) for c in pairs[:2 if dt == torch.float32 else 1]] + [((64, 2, 4), 1)]
+    for cfg, align in tried:
         got = mlp.paired(x, w, cfg, (scale, lay.scale_row, align, False))
         assert got.shape == (1, n) and got.dtype == dt
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()

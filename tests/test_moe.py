@@ -14,27 +14,31 @@ from tp_engine.checkpoint.loader import CheckpointError, checkpoint_map, load_ch
 from tp_engine.checkpoint.model_config import ModelConfig, ModelError
 from tp_engine.models import build_model
 
-NEAR_TIE = 1e-3  # the engine runs fp32 against a fp64 reference: logits agree to ~1e-5, so only closer ones may swap
+# the engine runs fp32 against a fp64 reference: logits agree to ~1e-5, so only closer ones may swap
+NEAR_TIE = 1e-3
 NEW_TOKENS = 10
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8], [100, 200, 300, 388, 17], list(range(40, 67))]
-# Between them: renormalised and raw top-k; a dense layer among sparse ones and decoder_sparse_step 2 (layers 1
-# and 3 sparse); one KV head (replicated at TP 2 and 4) and two; tied embeddings; an odd vocabulary.
+# Between them: renormalised and raw top-k; a dense layer among sparse ones and decoder_sparse_step 2
+# (layers 1 and 3 sparse); one KV head (replicated at TP 2 and 4) and two; tied embeddings; an odd
+# vocabulary.
 CASES = {
     "renorm_dense_layer": dict(norm_topk_prob=True, mlp_only_layers=(1,), layers=3, kv_heads=1, vocab=509),
-    "raw_sparse_step_2_tied": dict(norm_topk_prob=False, sparse_step=2, layers=4, kv_heads=2, tie=True, vocab=389),
+    "raw_sparse_step_2_tied": dict(norm_topk_prob=False, sparse_step=2, layers=4, kv_heads=2, tie=True,
+                                   vocab=389),
 }
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {name: make_moe_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(CASES.items())}
+    return {name: make_moe_checkpoint(root / name, seed=i, **kw)
+            for i, (name, kw) in enumerate(CASES.items())}
 
 
 @pytest.fixture(scope="module")
 def reference(ckpts):
-    """For each case: transformers' model in float64 (its eager expert loop: the grouped kernel has no float64)
-    and its greedy continuation of each prompt."""
+    """For each case: transformers' model in float64 (its eager expert loop: the grouped kernel has no
+    float64) and its greedy continuation of each prompt."""
     from transformers import Qwen3MoeForCausalLM
 
     out = {}
@@ -69,7 +73,8 @@ def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers(ckpts, reference, tp, tmp_path):
     sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    results = api_outputs(ckpts, PROMPTS, sampling, tp, tmp_path)  # above TP 1, every case in one torchrun job
+    # above TP 1, every case in one torchrun job
+    results = api_outputs(ckpts, PROMPTS, sampling, tp, tmp_path)
     for case, outs in results.items():
         model, theirs = reference[case]
         ours = [o["output_token_ids"] for o in outs]
@@ -92,12 +97,14 @@ def test_public_shapes_and_transformers_5_names():
     assert all(cfg.moe.is_sparse(i) for i in range(cfg.num_layers))
     for tp in (1, 2, 4, 8):  # 4 KV heads: replicated at TP 8
         cfg.check_tp(tp)
-    raw = moe_config(num_local_experts=16, decoder_sparse_step=2, mlp_only_layers=[3])  # as transformers 5.x writes
+    # as transformers 5.x writes
+    raw = moe_config(num_local_experts=16, decoder_sparse_step=2, mlp_only_layers=[3])
     del raw["num_experts"]
     cfg = ModelConfig.from_dict(raw)
     assert cfg.moe.num_experts == 16
     assert [i for i in range(8) if cfg.moe.is_sparse(i)] == [1, 5, 7]
-    assert ModelConfig.from_dict(json.loads((ROOT / "configs/models/qwen3-8b/config.json").read_text())).moe is None
+    dense = json.loads((ROOT / "configs/models/qwen3-8b/config.json").read_text())
+    assert ModelConfig.from_dict(dense).moe is None
 
 
 def test_moe_intermediate_that_cannot_split_names_both_numbers():
@@ -115,24 +122,26 @@ def test_moe_intermediate_that_cannot_split_names_both_numbers():
 
 
 def test_startup_error_through_the_command_line(tmp_path):
-    """moe_intermediate_size 100 at TP 8 would fail the same way; 33 fails at TP 2, which this machine runs."""
+    """moe_intermediate_size 100 at TP 8 would fail the same way; 33 fails at TP 2, which this machine
+    runs."""
     model = tmp_path / "odd"
     model.mkdir()
     cfg = moe_config(moe_intermediate_size=33, num_hidden_layers=1, hidden_size=64, intermediate_size=64,
                      num_attention_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, vocab_size=128)
     (model / "config.json").write_text(json.dumps(cfg))
-    proc, _ = run_cli({"model": str(model), "load_format": "dummy", "prompts": [{"input_ids": [1, 2]}]}, tmp_path,
-                      nproc=2)
+    proc, _ = run_cli({"model": str(model), "load_format": "dummy", "prompts": [{"input_ids": [1, 2]}]},
+                      tmp_path, nproc=2)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "moe_intermediate_size=33" in errors[0] and "size 2" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "moe_intermediate_size=33" in errors[0] and "size 2" in errors[0], \
+        proc.stderr[-3000:]
 
 
 # ---- loading per-expert tensors ----
 
 def _break(src, dst, change):
-    """A copy of the sharded checkpoint `src` with `change(name, tensors)` applied to the file holding an expert
-    tensor of layer 0."""
+    """A copy of the sharded checkpoint `src` with `change(name, tensors)` applied to the file holding an
+    expert tensor of layer 0."""
     shutil.copytree(src, dst)
     index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
     name = "model.layers.0.mlp.experts.3.up_proj.weight"
@@ -160,7 +169,8 @@ def test_strict_expert_names_and_shapes(ckpts, tmp_path, case, needles):
               "shape": lambda n, t: t.update({n: t[n][:31]}),
               "unexpected": lambda n, t: t.update({n.replace("experts.3", "experts.8"): t[n].clone()}),
               # as some exports store them: all experts of a layer in one tensor (transformers 5 loads it)
-              "fused": lambda n, t: t.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 64, 64)})}[case]
+              "fused": lambda n, t: t.update({"model.layers.0.mlp.experts.gate_up_proj":
+                                              torch.zeros(8, 64, 64)})}[case]
     path = _break(ckpts["renorm_dense_layer"], tmp_path / case, change)
     with pytest.raises(CheckpointError) as err:
         _load(path)
@@ -180,7 +190,8 @@ def test_stacked_experts_hold_the_checkpoint_tensors(ckpts):
     assert torch.equal(experts.gate_up_proj[5], gate_up)
     assert torch.equal(experts.down_proj[5], tensors[pre + "down_proj.weight"])
     assert torch.equal(model.model.layers[0].mlp.gate.weight, tensors["model.layers.0.mlp.gate.weight"])
-    assert "model.layers.1.mlp.gate_proj.weight" in checkpoint_map(model)  # layer 1 is dense (mlp_only_layers)
+    # layer 1 is dense (mlp_only_layers)
+    assert "model.layers.1.mlp.gate_proj.weight" in checkpoint_map(model)
 
 
 # ---- the benchmark ----
@@ -210,7 +221,8 @@ def test_bench_checkpoint_names_match_the_model_and_floor():
 
 def test_dummy_weights_give_every_rank_the_same_router(tmp_path):
     """load_format dummy draws each rank's weights from seed + rank: the replicated router too, so at TP > 1
-    the ranks picked different experts for the same token (benchmarks of MoE shapes routed unlike any model)."""
+    the ranks picked different experts for the same token (benchmarks of MoE shapes routed unlike any
+    model)."""
     from tp_engine.checkpoint.loader import init_dummy
     cfg = ModelConfig.from_dir(str(make_moe_checkpoint(tmp_path / "m")))
     models = [build_model(cfg) for _ in range(2)]
@@ -219,4 +231,5 @@ def test_dummy_weights_give_every_rank_the_same_router(tmp_path):
     a, b = (dict(m.named_parameters()) for m in models)
     router = [n for n in a if n.endswith("mlp.gate.weight")]
     assert router and all(torch.equal(a[n], b[n]) for n in router)
-    assert not torch.equal(a["model.layers.0.self_attn.qkv_proj.weight"], b["model.layers.0.self_attn.qkv_proj.weight"])
+    assert not torch.equal(a["model.layers.0.self_attn.qkv_proj.weight"],
+                           b["model.layers.0.self_attn.qkv_proj.weight"])

@@ -31,8 +31,8 @@ torch.manual_seed(0)
 
 
 def gate_up_once(acts, x, w, ids, tile, scales=None):
-    """moe._gate_up at `tile`, once for the tiles the interpreter runs alike: it has no warps, and the kernel's
-    reduction step is clamped to the next power of two of the row. `acts`: the results for this x."""
+    """moe._gate_up at `tile`, once for the tiles the interpreter runs alike: it has no warps, and the
+    kernel's reduction step is clamped to the next power of two of the row. `acts`: the results for this x."""
     key = (tile[0], min(tile[1], triton.next_power_of_2(x.shape[1])))
     if key not in acts:
         acts[key] = moe._gate_up(x, w, ids, tile, scales)
@@ -45,7 +45,8 @@ for dt in (torch.float32, torch.bfloat16):
     gate_up = (torch.randn(E, 2 * I, H) * 0.2).to(dt)
     down = (torch.randn(E, H, I) * 0.2).to(dt)
     # k = 3, a partial tile of experts, in float32: in bfloat16 the reference rounds after each expert it adds
-    cases = ((1, True, 2), (3, False, 3), (6, True, 2)) if dt == torch.float32 else ((1, True, 2), (6, False, 2))
+    cases = ((1, True, 2), (3, False, 3), (6, True, 2)) if dt == torch.float32 else \
+        ((1, True, 2), (6, False, 2))
     for n, renorm, K in cases:
         x = torch.randn(n, H).to(dt)
         logits = (torch.randn(n, E) * 2).to(dt)
@@ -64,10 +65,11 @@ for dt in (torch.float32, torch.bfloat16):
             # the FP8 experts below take too (gate/up of 1 and 8 rows a program, down of 1, 2, 4 and 8)
             for i in range(1, 5) if n == 1 and dt == torch.float32 else ():
                 t, d = moe.GEMV_TILES[i % len(moe.GEMV_TILES)], moe.DOWN_TILES[i % len(moe.DOWN_TILES)]
-                paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(gate_up_once(acts, x, gate_up, ids, t), down,
-                                                                     ids, weights, d)
+                paths[f"gemv {t} {d}"] = \
+                    lambda t=t, d=d: moe._down(gate_up_once(acts, x, gate_up, ids, t), down, ids, weights, d)
         for cfg in (moe_grouped.SMALL, moe_grouped.LARGE):
-            paths[f"grouped BM={cfg.BM}"] = lambda cfg=cfg: moe_grouped.moe_grouped(x, gate_up, down, weights, ids, cfg)
+            paths[f"grouped BM={cfg.BM}"] = \
+                lambda cfg=cfg: moe_grouped.moe_grouped(x, gate_up, down, weights, ids, cfg)
         for name, run in paths.items():
             got = run()
             torch.testing.assert_close(got, ref, msg=f"{dt} n={n} {name}")
@@ -117,23 +119,28 @@ for dt in DTYPES:
             gate_up_tiles, down_tiles = moe._tiles(scales)
             pairs = list(zip(gate_up_tiles, down_tiles))
             for t, d in pairs[1:5] if dt == torch.float32 else pairs[-1:]:
-                paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(gate_up_once(acts, x, gu_w, ids, t, scales),
-                                                                     dn_w, ids, weights, d, scales)
+                paths[f"gemv {t} {d}"] = lambda t=t, d=d: moe._down(
+                    gate_up_once(acts, x, gu_w, ids, t, scales), dn_w, ids, weights, d, scales)
         for cfg in (moe_grouped.SMALL, moe_grouped.LARGE):
-            paths[f"grouped BM={cfg.BM}"] = lambda cfg=cfg: moe_grouped.moe_grouped(x, gu_w, dn_w, weights, ids, cfg,
-                                                                                    scales)
+            paths[f"grouped BM={cfg.BM}"] = \
+                lambda cfg=cfg: moe_grouped.moe_grouped(x, gu_w, dn_w, weights, ids, cfg, scales)
         for name, run in paths.items():
             got = run()
-            if name.startswith("grouped") and dt == torch.float32:  # the reference's values: only sums reorder
+            if name.startswith("grouped") and dt == torch.float32:  # the reference's values, sums reordered
                 torch.testing.assert_close(got, ref, msg=f"fp8 {dt} n={n} {name}")
-            elif name.startswith("grouped"):  # bf16: the reference rounds after each expert it adds, the kernel
-                # once, where outputs cancel too; both against the same experts in float64, no worse than it
+            elif name.startswith("grouped"):
+                # bf16: the reference rounds after each expert it adds, the kernel once, where outputs cancel
+                # too; both against the same experts in float64, no worse than it
                 exact = experts_reference(x.double(), gu_deq.double(), dn_deq.double(), weights.double(), ids)
                 err, ref_err = (got.double() - exact).abs(), (ref.double() - exact).abs()
-                assert err.max() <= 2 * ref_err.max() + 1e-6, (n, name, err.max().item(), ref_err.max().item())
-                assert err.mean() <= 1.5 * ref_err.mean() + 1e-7, (n, name, err.mean().item(), ref_err.mean().item())
-            else:  # the scales multiply the activations instead, so the weights skip the reference's rounding to
-                # bf16 (2**-9 of each), through two matmuls: 0.7% of the norm of the output here (2e-7 in float32)
+                assert err.max() <= 2 * ref_err.max() + 1e-6, (n, name, err.max().item(),
+                                                                ref_err.max().item())
+                assert err.mean() <= 1.5 * ref_err.mean() + 1e-7, (n, name, err.mean().item(),
+                                                                    ref_err.mean().item())
+            else:
+                # the scales multiply the activations instead, so the weights skip the reference's rounding to
+                # bf16 (2**-9 of each), through two matmuls: 0.7% of the norm of the output here (2e-7 in
+                # float32)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 assert err < (1e-5 if dt == torch.float32 else 0.02), (dt, n, name, err)
 if torch.bfloat16 in DTYPES:  # the check runs bfloat16 activations; the float32 run sweeps the tiles
@@ -142,7 +149,8 @@ if torch.bfloat16 in DTYPES:  # the check runs bfloat16 activations; the float32
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("experts", ["float", "fp8 float32", "fp8 bfloat16"])  # processes the suite runs side by side
+# processes the suite runs side by side
+@pytest.mark.parametrize("experts", ["float", "fp8 float32", "fp8 bfloat16"])
 def test_kernels_match_reference_in_interpreter(tmp_path, experts):
     body = FLOAT_EXPERTS if experts == "float" else f"DTYPES = (torch.{experts.split()[1]},)\n" + FP8_EXPERTS
     run_script(HEAD + body + 'print("interpreter ok")\n', tmp_path)
@@ -167,7 +175,8 @@ def test_kernels_compile_for_sm90():
     # every tile the few-token path may pick, at the widest step it runs, for bf16 and FP8 experts; and every
     # tile of the dense MLP's gate/up + SiLU (kernels/mlp.py), the same kernel with one fixed expert
     for fp8 in (False, True):
-        kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8, ROUTED=True, LINES=1, PDL=True),
+        kernels += [(moe._gemv_gate_up_kernel,
+                     dict(TOP_K=8, BN=bn, BK=bk, FP8=fp8, ROUTED=True, LINES=1, PDL=True),
                      warps, 3) for bn, bk, warps in moe.GEMV_TILES]
         kernels += [(moe._gemv_gate_up_kernel, dict(TOP_K=1, BN=bn, BK=bk, FP8=fp8, ROUTED=False,
                                                     LINES=bk // (128 if fp8 else 64), PDL=True), warps, 3)
@@ -180,7 +189,8 @@ def test_kernels_compile_for_sm90():
                         (g._down_kernel, tile, cfg.num_warps, cfg.num_stages)]
     fp8_types = {**types, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32"}
     for fn, consts, warps, stages in kernels:
-        k = compile_sm90(fn, fp8_types if consts.get("FP8") else types, consts, warps, stages, unaligned=SIZES)
+        k = compile_sm90(fn, fp8_types if consts.get("FP8") else types, consts, warps, stages,
+                         unaligned=SIZES)
         what = f"{fn.__name__} {consts}"
         assert k.metadata.shared <= MAX_SHARED, f"{what}: {k.metadata.shared} bytes of shared memory"
         used = spills(k)
@@ -200,8 +210,8 @@ def test_fp8_down_gemv_loads_its_weights_before_the_loops_barrier():
     before the loop's first barrier."""
     from tp_engine.kernels import moe
 
-    types = {"act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32", "wts_ptr": "*bf16", "out_ptr": "*bf16",
-             "s_ptr": "*fp32", "srow_ptr": "*i32"}
+    types = {"act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32", "wts_ptr": "*bf16",
+             "out_ptr": "*bf16", "s_ptr": "*fp32", "srow_ptr": "*i32"}
     for bn, bk, warps in moe.DOWN_TILES:
         consts = dict(TOP_K=8, K_P2=8, BN=bn, BK=bk, FP8=True, PDL=True)
         k = compile_sm90(moe._gemv_down_kernel, types, consts, warps, 3, unaligned=SIZES)

@@ -53,7 +53,8 @@ def alive(pid):
 
 
 def kill_job(proc, pids=()):
-    """torchrun and its workers: torchrun detaches them with setsid, so killing torchrun's group is not enough."""
+    """torchrun and its workers: torchrun detaches them with setsid, so killing torchrun's group is not
+    enough."""
     pids = list(pids) + (list(worker_pids(proc.pid).values()) if proc.poll() is None else [])
     for pid in [proc.pid, *pids]:
         try:
@@ -164,14 +165,15 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
 
 
 def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
-    """The folders of an output path that did not exist were made before the model was checked, and stayed when
-    the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
+    """The folders of an output path that did not exist were made before the model was checked, and stayed
+    when the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
     (tmp_path / "runs").mkdir()
     out = tmp_path / "runs" / "new" / "deeper" / "out.jsonl"
     proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
     refused(proc, "max_model_len")
     assert list((tmp_path / "runs").iterdir()) == []
-    proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, read_output=False)  # a run that writes keeps them
+    # a run that writes keeps them
+    proc, _ = run_cli(base(ckpt, output=str(out)), tmp_path, read_output=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(out.read_text().splitlines()) == len(PROMPTS) and not out.with_name("out.jsonl.lock").exists()
 
@@ -192,8 +194,8 @@ sys.exit(main())
 @pytest.mark.parametrize("action", ["os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)",
                                     "raise RuntimeError('injected fault')"])
 def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tmp_path, action):
-    """A signal or a failure ended the run at once, with the lock file and the folders made for the output left
-    behind, although no result had been written."""
+    """A signal or a failure ended the run at once, with the lock file and the folders made for the output
+    left behind, although no result had been written."""
     (tmp_path / "runs").mkdir()
     out = tmp_path / "runs" / "new" / "out.jsonl"
     script = tmp_path / "stopped.py"
@@ -204,7 +206,8 @@ def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tm
     finally:
         kill_job(proc)
     assert proc.returncode != 0
-    assert ("stopped by SIGTERM: no result had finished" if "kill" in action else "injected fault") in err, err[-3000:]
+    said = "stopped by SIGTERM: no result had finished" if "kill" in action else "injected fault"
+    assert said in err, err[-3000:]
     assert list((tmp_path / "runs").iterdir()) == []
 
 
@@ -269,14 +272,16 @@ def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
 
 def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
     """Rank 0 prints the results to stdout at the end; a Ctrl-C then (here while a reader has not yet drained
-    the pipe) used to print them all again from the signal handler: lines twice, one cut and glued to the next."""
+    the pipe) used to print them all again from the signal handler: lines twice, one cut and glued to the
+    next."""
     cfg = long_cfg(ckpt, None, n=40, max_new_tokens=8)
     cfg["sampling"]["logprobs"] = 20  # about 4 KB a line: more than a pipe holds
     log = tmp_path / "stderr.txt"
     with log.open("w") as err_file:
         proc = start_job(cfg, tmp_path, nproc=1, stderr=err_file)
         try:
-            head = os.read(proc.stdout.fileno(), 100).decode()  # printing has begun; it waits for the pipe now
+            # printing has begun; it waits for the pipe now
+            head = os.read(proc.stdout.fileno(), 100).decode()
             time.sleep(1.5)
             os.killpg(proc.pid, signal.SIGINT)
             stdout, _ = proc.communicate(timeout=60)
@@ -295,16 +300,16 @@ signal.signal(signal.SIGALRM, lambda *_: None)  # a handler that returns, as Ctr
 signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
 sink = ResultSink(None, None, {"model": "m"})
 for i in range(40):
-    sink.add({"index": i, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [100000 + i] * 4000, "text": "",
-              "finish_reason": "length", "cached_prompt_tokens": 0})
+    sink.add({"index": i, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [100000 + i] * 4000,
+              "text": "", "finish_reason": "length", "cached_prompt_tokens": 0})
 sink.close()
 signal.setitimer(signal.ITIMER_REAL, 0)
 """
 
 
 def test_results_printed_to_a_pipe_stay_whole_when_signals_interrupt_the_writes():
-    """With PYTHONUNBUFFERED=1 (common in job scripts), a write to a full pipe that a signal cut short lost the
-    rest of its line: the Ctrl-C test above failed on a busy machine with a line cut in two."""
+    """With PYTHONUNBUFFERED=1 (common in job scripts), a write to a full pipe that a signal cut short lost
+    the rest of its line: the Ctrl-C test above failed on a busy machine with a line cut in two."""
     proc = subprocess.Popen([sys.executable, "-c", PRINTER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     chunks = []
@@ -327,7 +332,8 @@ def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monk
 
     held = {}
     generate, close = LLM.generate, results.ResultSink.close
-    monkeypatch.setattr(LLM, "generate", lambda *a, **k: held.__setitem__("start", tracemalloc.get_traced_memory()[0])
+    monkeypatch.setattr(LLM, "generate",
+                        lambda *a, **k: held.__setitem__("start", tracemalloc.get_traced_memory()[0])
                         or generate(*a, **k))
     monkeypatch.setattr(results.ResultSink, "close", lambda self: held.__setitem__(
         "end", tracemalloc.get_traced_memory()[0]) or close(self))
@@ -336,7 +342,8 @@ def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monk
         """Bytes that the job's Python objects hold once every result is written."""
         cfg = long_cfg(ckpt, tmp_path / f"out{max_new_tokens}.jsonl", n=64, max_new_tokens=max_new_tokens)
         conf = tmp_path / "run.yaml"
-        conf.write_text(yaml.safe_dump({**cfg, "max_batch_size": 64, "prefix_cache": False, "progress": False}))
+        conf.write_text(yaml.safe_dump({**cfg, "max_batch_size": 64, "prefix_cache": False,
+                                        "progress": False}))
         assert main(["--config", str(conf), "--quiet"]) == 0
         return held["end"] - held["start"]
 
@@ -368,7 +375,8 @@ print("went on", file=sys.stderr)
 def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
     """A signal taken as "late" (come while the results printed) after run() had looked for one was dropped:
     the job went on and exited 0, and the Ctrl-C test above failed that way about one run in three."""
-    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
     assert "stopped by SIGINT after the results were printed" in proc.stderr and "went on" not in proc.stderr
     assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
@@ -398,7 +406,8 @@ def test_a_signal_before_the_run_started_is_one_line(ckpt, tmp_path, sig):
     conf = tmp_path / "run.yaml"
     conf.write_text(yaml.safe_dump(base(ckpt, output=str(tmp_path / "out.jsonl"))))
     script = EARLY_SIGNAL.format(sig=sig, conf=str(conf), generate=str(GENERATE))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-2000:]
     assert proc.stderr.strip() == f"stopped by {sig} before the run started"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
@@ -421,7 +430,8 @@ def on_stop(self, real=ResultSink.on_stop):
     return real(self)
 
 
-cli.C.build_config, cli.read_prompts, cli.run, ResultSink.on_stop = lambda *a: {}, lambda cfg: [], run, on_stop
+cli.C.build_config, cli.read_prompts = lambda *a: {}, lambda cfg: []
+cli.run, ResultSink.on_stop = run, on_stop
 cli.main([])
 """
 
@@ -430,9 +440,11 @@ def test_a_signal_while_a_rank_fails_does_not_hide_why():
     """A rank that fails says why and where the finished results are, then exits. torchrun's SIGTERM, sent as
     the failure reached it, ran the signal handler in the middle of that: its exit replaced the failure's
     message, and once it closed the output lock a second time and ended in a traceback instead."""
-    proc = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "error: rank 0: RuntimeError: a kernel failed; 1 finished results were printed to stdout" in proc.stderr
+    assert "error: rank 0: RuntimeError: a kernel failed; 1 finished results were printed to stdout" \
+        in proc.stderr
     assert "stopped by" not in proc.stderr, proc.stderr[-2000:]
     assert [json.loads(line)["index"] for line in proc.stdout.splitlines()] == [0]
 
@@ -462,7 +474,8 @@ def test_results_printed_to_a_stdout_without_a_file_are_flushed(monkeypatch):
 def finished(ckpt, tmp_path_factory):
     """The output of a finished sampled run at TP 2, and its config."""
     tmp = tmp_path_factory.mktemp("finished")
-    cfg = base(ckpt, output=str(tmp / "out.jsonl"), seed=1, sampling={"max_new_tokens": 8, "temperature": 0.7})
+    cfg = base(ckpt, output=str(tmp / "out.jsonl"), seed=1,
+               sampling={"max_new_tokens": 8, "temperature": 0.7})
     proc, lines = run_cli(cfg, tmp, nproc=2)
     assert proc.returncode == 0 and len(lines) == 3, proc.stderr[-3000:]
     return cfg, Path(cfg["output"])
@@ -500,26 +513,28 @@ def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, 
 def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [PROMPTS[0], {"input_ids": [7] * 40}, PROMPTS[1]]  # 40 tokens do not fit a pool of 32
-    cfg = base(ckpt, prompts=prompts, output=str(out), max_model_len=64, kv_cache={"num_pages": 2, "page_size": 16},
-               fail_on_prompt_error=True)
+    cfg = base(ckpt, prompts=prompts, output=str(out), max_model_len=64,
+               kv_cache={"num_pages": 2, "page_size": 16}, fail_on_prompt_error=True)
     conf = tmp_path / "small_pool.yaml"
     conf.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, str(GENERATE), "--config", str(conf)], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run([sys.executable, str(GENERATE), "--config", str(conf)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 3, proc.stderr[-3000:]  # finished, but a prompt has no result
     assert '1 of 3 prompts ended with finish_reason "error"' in proc.stderr
     first = read_lines(out)
     assert [line["finish_reason"] for line in first] == ["length", "error", "length"]
     summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
     assert summary["prompt_tokens"] == len(first[0]["prompt_token_ids"]) + len(first[2]["prompt_token_ids"])
-    proc, lines = run_cli({**cfg, "resume": True, "kv_cache": {"num_pages": 8, "page_size": 16}}, tmp_path, nproc=2)
+    proc, lines = run_cli({**cfg, "resume": True, "kv_cache": {"num_pages": 8, "page_size": 16}}, tmp_path,
+                          nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line["finish_reason"] for line in lines] == ["length"] * 3
     assert (lines[0], lines[2]) == (first[0], first[2])  # finished lines are kept as they were
     assert json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])["resumed_skipped"] == 2
 
 
-def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_the_request_limit(ckpt, tmp_path):
+def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_the_request_limit(
+        ckpt, tmp_path):
     """A last line without its newline was dropped unread: another tool's file was then replaced silently. A
     line that ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with
     another pool changes: it runs again. Replacing the weights in place changes `run`."""
@@ -528,7 +543,8 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
 
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
-    settings = run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}), "float32", 1)
+    settings = run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}),
+                            "float32", 1)
     run = run_id(settings)
     line = {"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8, "finish_reason": "length",
             "run": run}
@@ -545,18 +561,19 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
         read_for_resume(out, "out.jsonl", [[1, 2]], settings)
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes() + b" ")  # a new export written over the old one
-    assert run_id(run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8}), "float32",
-                               1)) != run
+    cfg = build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8})
+    assert run_id(run_settings(cfg, "float32", 1)) != run
 
 
 def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
-    """On a terminal with no output file, only `text` was shown: the thinking of a chat model was lost, all of it
-    when max_new_tokens cut inside it (the answer then empty)."""
+    """On a terminal with no output file, only `text` was shown: the thinking of a chat model was lost, all of
+    it when max_new_tokens cut inside it (the answer then empty)."""
     from tp_engine.frontend.results import ResultSink
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     sink = ResultSink(None, None, {"model": "m"}, decode=lambda ids: "PROMPT ")
-    line = {"index": 0, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [2] * 12, "finish_reason": "length"}
+    line = {"index": 0, "sample": 0, "prompt_token_ids": [1], "output_token_ids": [2] * 12,
+            "finish_reason": "length"}
     sink.add({**line, "text": "", "reasoning": "a long plan"})
     sink.add({**line, "index": 1, "text": "the answer", "reasoning": "short"})
     sink.add({**line, "index": 2, "text": "plain"})  # no chat
@@ -572,7 +589,8 @@ def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_p
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings
 
-    settings = run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8}), "float32", 1)
+    settings = run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8}),
+                            "float32", 1)
     good = {"index": 0, "prompt_token_ids": [1, 2], "output_token_ids": [3] * 8, "finish_reason": "length",
             "run": run_id(settings)}
     out = tmp_path / "out.jsonl"
@@ -590,7 +608,8 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     shutil.copytree(ckpt, model)
 
     def settings(**sampling):
-        return run_settings(build_config(model=str(model), prompts=[], sampling={"max_new_tokens": 8, **sampling}),
+        return run_settings(build_config(model=str(model), prompts=[],
+                                         sampling={"max_new_tokens": 8, **sampling}),
                             "float32", 1)
     before = settings()
     out = tmp_path / "out.jsonl"
@@ -601,14 +620,15 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # copied, touched
     with pytest.raises(ConfigError) as err:
         read_for_resume(out, "out.jsonl", [[1, 2]], settings(logprobs=2))
-    assert "other weights: model.safetensors written again (" in str(err.value) and ", the same size)" in str(err.value)
+    assert "other weights: model.safetensors written again (" in str(err.value)
+    assert ", the same size)" in str(err.value)
     assert "sampling.logprobs=0, now 2" in str(err.value) and "mtime" not in str(err.value), str(err.value)
 
 
 
 def test_fp8_activations_change_the_run(ckpt, tmp_path):
-    """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only), but
-    resume took its lines for weight_only ones. The default adds nothing to the record (older lines keep
+    """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only),
+    but resume took its lines for weight_only ones. The default adds nothing to the record (older lines keep
     `run`), nor does the key for a model without FP8 weights, whose tokens it cannot change."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings

@@ -96,7 +96,8 @@ def alone(prompt: list[int], max_new: int, ignore_eos: bool) -> list[int]:
 
 
 PREFIX = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
-PROMPTS = [PREFIX + [10, 11], PREFIX + [10, 11], PREFIX, PREFIX[:9], [20, 21, 22] * 7, PREFIX + [30] * 9, [40]]
+PROMPTS = [PREFIX + [10, 11], PREFIX + [10, 11], PREFIX, PREFIX[:9], [20, 21, 22] * 7,
+           PREFIX + [30] * 9, [40]]
 
 
 def drive(num_pages: int, max_prefill: int, cache: bool, max_batch: int = 8, pool: PagePool | None = None):
@@ -199,8 +200,8 @@ def test_step_message_size_does_not_grow_with_context():
 
 
 def test_clear_recovers_pages_from_an_alloc_cut_short():
-    """After an exception inside a step (Ctrl-C at TP 1, where the engine runs on), the pool is cleared. A page
-    popped from the free list before its count was set (an alloc cut short) was lost for good."""
+    """After an exception inside a step (Ctrl-C at TP 1, where the engine runs on), the pool is cleared. A
+    page popped from the free list before its count was set (an alloc cut short) was lost for good."""
     pool = PagePool(4, 2)
     pool.register(pool.alloc(1)[0], page_key(ROOT_KEY, [1, 2]))
     pool.free.pop()  # cut between taking the page and counting its reference

@@ -35,7 +35,8 @@ def reference(ckpt):
 
 
 def generate(llm, prompts=PROMPTS):
-    return llm.generate([{"input_ids": p} for p in prompts], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    return llm.generate([{"input_ids": p} for p in prompts],
+                        SamplingParams(max_new_tokens=NEW, ignore_eos=True))
 
 
 def record_plans(llm) -> list:
@@ -85,7 +86,8 @@ def test_small_pool_evicts_and_preempts(ckpt, reference):
 def test_max_batch_size_beyond_the_pool_runs(ckpt, reference):
     """Every running request holds a page, so at most 16 of 16 pages run; a max_batch_size of 10**12 used to
     try to allocate per-request buffers of that size."""
-    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16}, max_batch_size=10**12)
+    llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16},
+              max_batch_size=10**12)
     assert llm.engine.max_batch == 16
     assert [o["output_token_ids"] for o in generate(llm)] == reference
 
@@ -112,7 +114,8 @@ def test_decoded_pages_are_found_by_a_later_prompt(ckpt, reference):
     turn = PROMPTS[5] + first["output_token_ids"] + [7, 8, 9]
     out = generate(llm, [turn])[0]
     assert out["output_token_ids"] == hf_generate(ckpt, [turn], NEW)[0]
-    # 28 tokens: 7 full pages, all but the last output's K/V computed while decoding (the last is never fed back)
+    # 28 tokens: 7 full pages, all but the last output's K/V computed while decoding
+    # (the last is never fed back)
     assert out["cached_prompt_tokens"] == 28
 
 
@@ -162,7 +165,8 @@ def test_chunked_prefill_while_others_decode(ckpt):
 
 def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
     """With a small max_prefill_cost_while_decoding, a long prompt among decoding requests is cut into chunks
-    that shrink as its context grows (each costing at most the bound, step_budget.py); equal to transformers."""
+    that shrink as its context grows (each costing at most the bound, step_budget.py); equal to
+    transformers."""
     from tp_engine.runtime.step_budget import StepBudget
 
     long = [random.Random(11).randrange(1, 384) for _ in range(120)]
@@ -201,14 +205,16 @@ def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
 
 
 def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
-    """launch/bench.py's prefix-cache and long-prompt workloads, on the demo model's shapes with small sizes."""
+    """launch/bench.py's prefix-cache and long-prompt workloads, on the demo model's shapes with small
+    sizes."""
     import subprocess
     import sys
 
     from helpers import ROOT
 
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ROOT / "configs" / "models" / "demo"),
+    demo = ROOT / "configs" / "models" / "demo"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo),
            "--workload", "shared_prefix,long_prompt", "--engine", "ours", "--set", "device=cpu",
            "--set", "max_prefill_tokens=48", "--num-requests", "6", "--prefix-len", "40", "--suffix-min", "3",
            "--suffix-max", "9", "--shared-new-tokens", "4", "--long-len", "200", "--long-decoders", "4",
@@ -222,10 +228,15 @@ def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
     assert shared["on"]["output_tokens"] == shared["off"]["output_tokens"] == 24 and shared["speedup"] > 0
     long = res["long_prompt"]
     assert long["chunked"]["max_prefill_tokens"] == 48 and long["unchunked"]["max_prefill_tokens"] == 204
-    assert [long[m]["max_prefill_cost_while_decoding"] for m in ("chunked", "cost_16", "tokens_only")] == [4096, 16, 0]
-    assert long["cost_16"]["decode_tokens_while_prefilling"] > long["tokens_only"]["decode_tokens_while_prefilling"]
-    # --long-spans: the same cost with deep prompt tokens priced higher, so the prompt takes more, smaller chunks
+    assert [long[m]["max_prefill_cost_while_decoding"] for m in ("chunked", "cost_16", "tokens_only")] == \
+        [4096, 16, 0]
+    assert long["cost_16"]["decode_tokens_while_prefilling"] > \
+        long["tokens_only"]["decode_tokens_while_prefilling"]
+    # --long-spans: the same cost with deep prompt tokens priced higher, so the prompt takes more, smaller
+    # chunks
     assert long["cost_16_span_2"]["attention_span"] == 2 and long["cost_16"]["attention_span"] > 2
-    assert long["cost_16_span_2"]["decode_tokens_while_prefilling"] > long["cost_16"]["decode_tokens_while_prefilling"]
+    assert long["cost_16_span_2"]["decode_tokens_while_prefilling"] > \
+        long["cost_16"]["decode_tokens_while_prefilling"]
     # chunked: the decoders keep producing tokens in the steps that compute the long prompt
-    assert long["chunked"]["decode_tokens_while_prefilling"] > long["unchunked"]["decode_tokens_while_prefilling"]
+    assert long["chunked"]["decode_tokens_while_prefilling"] > \
+        long["unchunked"]["decode_tokens_while_prefilling"]

@@ -58,7 +58,8 @@ def words(ids):
 def test_reasoning_is_split_from_the_answer(model, tmp_path):
     ckpt, prompt, out = model
     thinking = with_tokenizer(ckpt, tmp_path / "t", out, THINKING)
-    cfg = {"model": thinking, "chat": True, "prompts": [{"input_ids": prompt}], "sampling": {"max_new_tokens": 8}}
+    cfg = {"model": thinking, "chat": True, "prompts": [{"input_ids": prompt}],
+           "sampling": {"max_new_tokens": 8}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[0]["output_token_ids"] == out
@@ -96,7 +97,8 @@ def run(model, prompt, chat=True, max_new_tokens=8):
 def test_split_reasoning_rules():
     assert split_reasoning("<think>\nplan a\n</think>\n\nThe answer.") == ("plan a", "The answer.")
     assert split_reasoning("<think>still thinking") == ("still thinking", "")
-    assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")  # the prompt opened it
+    # the prompt opened it
+    assert split_reasoning("still thinking", open_think=True) == ("still thinking", "")
     assert split_reasoning("thought</think> answer", open_think=True) == ("thought", "answer")
     assert split_reasoning("Just an answer.") == ("", "Just an answer.")  # thinking turned off in the prompt
     # no block open, in the prompt or the output: a </think> is the answer's text, not the end of reasoning
@@ -105,7 +107,8 @@ def test_split_reasoning_rules():
     # the answer keeps its first line's indentation (code); a <think> written inside the reasoning stays
     assert split_reasoning("<think>a</think>\n\n    x = 1\n") == ("a", "    x = 1\n")
     assert split_reasoning("<think>a</think>  \n \n  - item") == ("a", "  - item")
-    assert split_reasoning("what <think> means</think>A tag.", open_think=True) == ("what <think> means", "A tag.")
+    assert split_reasoning("what <think> means</think>A tag.", open_think=True) == \
+        ("what <think> means", "A tag.")
     assert split_reasoning("what <think> means", open_think=True) == ("what <think> means", "")
     assert split_reasoning("<think>\nwhat <think> is</think>ok") == ("what <think> is", "ok")
     # blanks alone after the block are no answer (they were kept as indentation)
@@ -114,8 +117,8 @@ def test_split_reasoning_rules():
 
 
 def test_only_the_generation_prompt_opens_thinking():
-    """<think> (id 1) opens the answer's reasoning only where the template ends the prompt with it, not where a
-    user's message mentions it."""
+    """<think> (id 1) opens the answer's reasoning only where the template ends the prompt with it, not where
+    a user's message mentions it."""
     decode = {1: "<think>", 2: "</think>", 3: "\n"}.get
 
     def opens(ids):
@@ -126,9 +129,9 @@ def test_only_the_generation_prompt_opens_thinking():
 
 
 def test_think_tags_that_decoding_skips_do_not_split(tmp_path):
-    """Added tokens marked special in tokenizer.json are dropped by decoding even when the tokenizer does not list
-    them among its special tokens: with such <think> tags the text has no tags to split at, and a prompt that
-    opened a block made the whole answer `reasoning`, leaving `text` empty."""
+    """Added tokens marked special in tokenizer.json are dropped by decoding even when the tokenizer does not
+    list them among its special tokens: with such <think> tags the text has no tags to split at, and a prompt
+    that opened a block made the whole answer `reasoning`, leaving `text` empty."""
     import json
 
     from transformers import AutoTokenizer
@@ -143,6 +146,8 @@ def test_think_tags_that_decoding_skips_do_not_split(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
-    assert "<think>" not in tok.all_special_tokens and tok.decode([start, end], skip_special_tokens=True) == ""
+    assert "<think>" not in tok.all_special_tokens
+    assert tok.decode([start, end], skip_special_tokens=True) == ""
     assert think_tags(tok) is None
-    assert think_tags(AutoTokenizer.from_pretrained(str(demo))) == (start, end)  # as Qwen3's: kept in the text
+    # as Qwen3's: kept in the text
+    assert think_tags(AutoTokenizer.from_pretrained(str(demo))) == (start, end)

@@ -1,5 +1,5 @@
-"""resume: true on an output that does not exist runs every prompt, and says so: an `output` relative to another
-working directory would otherwise repeat a whole job in silence."""
+"""resume: true on an output that does not exist runs every prompt, and says so: an `output` relative to
+another working directory would otherwise repeat a whole job in silence."""
 import logging
 
 import torch

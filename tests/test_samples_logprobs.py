@@ -35,7 +35,8 @@ def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_pa
     assert '"requests": 12' in proc.stderr and '"prompts": 3' in proc.stderr
     two, four = by_key(two), by_key(four)
     assert all(four[k] == v for k, v in two.items())  # n = 2 at TP 1 is a prefix of n = 4 at TP 2
-    assert [four[i, 0] for i in range(3)] == [o["output_token_ids"] for o in one]  # sample 0: the n = 1 stream
+    # sample 0: the n = 1 stream
+    assert [four[i, 0] for i in range(3)] == [o["output_token_ids"] for o in one]
     assert len({tuple(four[0, j]) for j in range(4)}) == 4  # the samples differ
     # resume: the missing (index, sample) lines only, ending with the same file
     out = tmp_path / "n4.jsonl"
@@ -59,7 +60,8 @@ def test_greedy_n_gives_equal_lines_and_resume_checks_n(ckpt, tmp_path):
     assert proc.returncode != 0 and "is sample 2 of prompt 0, but sampling.n is 2 now" in proc.stderr
     # a file from before `sample` and `logprobs` existed (n = 1, no sample field) resumes: nothing to run
     out = tmp_path / "run.jsonl"
-    out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "sample"}) + "\n" for x in lines[:1]))
+    out.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "sample"}) + "\n"
+                           for x in lines[:1]))
     proc, again = run_cli({**cfg, "sampling": {"max_new_tokens": 4}, "resume": True}, tmp_path)
     assert proc.returncode == 0 and '"resumed_skipped": 1' in proc.stderr, proc.stderr[-3000:]
 
@@ -126,7 +128,8 @@ def test_generation_config_fills_the_sampling_keys_not_set(ckpt, tmp_path, caplo
     assert "temperature=0.6, top_k=20, top_p=0.95" in caplog.text and "generation_config.json" in caplog.text
     cfg = build_config(model=model, overrides=["sampling.temperature=0"])  # explicit: greedy
     assert cfg["sampling"]["temperature"] == 0 and cfg["sampling"]["top_k"] == 20
-    assert fingerprint(cfg) != fingerprint(build_config(model=model))  # the ranks compare the values in effect
+    # the ranks compare the values in effect
+    assert fingerprint(cfg) != fingerprint(build_config(model=model))
     assert build_config(model=model, sampling={"top_p": 1.0})["sampling"]["top_p"] == 1.0
     # transformers' own file (no do_sample) and do_sample false keep greedy decoding
     assert build_config(model=str(ckpt))["sampling"]["temperature"] == 0.0
@@ -155,15 +158,18 @@ def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
 def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path):
     """A repetition_penalty (Qwen2.5's files set 1.05), a min_new_tokens or a suppress_tokens changes
     transformers' tokens, greedy ones too; the engine does not apply them and said nothing of the last two."""
-    cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, min_p 0.05"),
-             ({"do_sample": False, "repetition_penalty": 1.05, "min_p": 0.05}, "sets repetition_penalty 1.05, "
-              "which"),  # min_p acts only when sampling
+    cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05},
+              "sets repetition_penalty 1.05, min_p 0.05"),
+             ({"do_sample": False, "repetition_penalty": 1.05, "min_p": 0.05},
+              "sets repetition_penalty 1.05, which"),  # min_p acts only when sampling
              ({**QWEN3, "repetition_penalty": 1, "min_p": None, "typical_p": 1.0}, None),
              # a first EOS held back, tokens suppressed, beam search: each changes transformers' greedy tokens
              ({"do_sample": False, "min_new_tokens": 4, "suppress_tokens": [5], "num_beams": 2, "top_h": 0.5},
-              "sets min_new_tokens 4, suppress_tokens [5], num_beams 2, which"),  # top_h acts only when sampling
+              # top_h acts only when sampling
+              "sets min_new_tokens 4, suppress_tokens [5], num_beams 2, which"),
              ({**QWEN3, "top_h": 0.5, "forced_eos_token_id": 2}, "sets forced_eos_token_id 2, top_h 0.5"),
-             ({**QWEN3, "min_new_tokens": 0, "suppress_tokens": [], "num_beams": 1, "guidance_scale": None}, None)]
+             ({**QWEN3, "min_new_tokens": 0, "suppress_tokens": [], "num_beams": 1, "guidance_scale": None},
+              None)]
     from tp_engine.base.generation_config import unapplied_warning
     for i, (content, said) in enumerate(cases):
         model = with_generation_config(ckpt, tmp_path / str(i), content)
@@ -223,10 +229,12 @@ def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
            "--workload", "sampling,n8", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
            "--n-prompts", "2", "--n-samples", "3", "--n-new-tokens", "8", "--prompt-len", "8",
            "--set", "device=cpu", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["sampling"]
-    assert (s["top_k_top_p"]["top_k"], s["top_k_top_p"]["top_p"], s["temperature_only"]["top_k"]) == (20, 0.95, 0)
+    assert (s["top_k_top_p"]["top_k"], s["top_k_top_p"]["top_p"], s["temperature_only"]["top_k"]) == \
+        (20, 0.95, 0)
     assert s["ratio"] > 0 and res["n8"]["ratio"] > 0
     assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48

@@ -19,7 +19,8 @@ def reference(logits, params, seeds, steps):
     sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
     top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
     probs = sorted_x.softmax(-1)
-    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)  # the test below holds it to HF
+    # the test below holds it to HF
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)
     x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=dev),
                       torch.tensor([steps[i] for i in rows], device=dev), vocab)
@@ -66,7 +67,8 @@ def test_a_rows_draw_does_not_depend_on_its_batch_mates():
               for i in range(60)]
     seeds, steps = list(range(60)), [5] * 60
     together = sample(logits, params, seeds, steps)
-    alone = torch.cat([sample(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1]) for i in range(60)])
+    alone = torch.cat([sample(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1], steps[i:i + 1])
+                       for i in range(60)])
     assert torch.equal(together, alone)
     k1 = [i for i in range(60) if params[i].top_k == 1]
     assert torch.equal(together[k1], logits[k1].argmax(-1))  # k = 1 is greedy (ties: the lowest id)
@@ -109,7 +111,8 @@ def test_top_p_keeps_as_many_tokens_as_transformers():
 
 def test_token_logprobs_rank_ties_as_the_draw_does():
     """Equal logits (common in bf16) are ranked by id, the lower first, as the sampler ranks them: the greedy
-    token comes first and the top 3 are the first 3 of the top 7. K above the vocabulary gives the vocabulary."""
+    token comes first and the top 3 are the first 3 of the top 7. K above the vocabulary gives the
+    vocabulary."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (16, 3000), generator=gen).float()
     greedy = logits.argmax(-1)
@@ -173,9 +176,10 @@ def test_a_tiny_temperature_is_greedy():
 
 
 def test_extreme_temperature_and_top_p_keep_the_most_likely_tokens():
-    """Both are checked as float64 but applied in fp32: a top_p under 1e-45 became 0 and dropped every token (the
-    draw gave id 0), and a temperature over 3.4e38 became inf, so every logit / temperature was 0 and top-k kept
-    the lowest ids. A tiny top_p keeps the most likely token alone; a huge temperature draws among the top k."""
+    """Both are checked as float64 but applied in fp32: a top_p under 1e-45 became 0 and dropped every token
+    (the draw gave id 0), and a temperature over 3.4e38 became inf, so every logit / temperature was 0 and
+    top-k kept the lowest ids. A tiny top_p keeps the most likely token alone; a huge temperature draws among
+    the top k."""
     gen = torch.Generator().manual_seed(6)
     vocab = 300
     logits = torch.randn(8, vocab, generator=gen)
@@ -191,9 +195,9 @@ def test_extreme_temperature_and_top_p_keep_the_most_likely_tokens():
 
 
 def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
-    """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one past
-    the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the first
-    NaN, as torch.argmax does for greedy, whatever the NaN's sign bit."""
+    """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one
+    past the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the
+    first NaN, as torch.argmax does for greedy, whatever the NaN's sign bit."""
     from tp_engine.sampling.sampler import TOPK_MAX_K
     vocab = 2 * TOPK_MAX_K + 50
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
@@ -201,8 +205,10 @@ def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
     logits[:, 7] = -torch.tensor(float("nan"))  # the sign bit set, as x86 makes NaNs
     logits[:, 3] = 30.0  # certain, but for the NaNs
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
-              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_k=TOPK_MAX_K + 10),
-              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=20, top_p=0.5)]
+              SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=0.7, top_k=TOPK_MAX_K + 10),
+              SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=20, top_p=0.5)]
     for step in range(4):
         got = sample(logits, params, [11 * i for i in range(6)], [step] * 6)
         assert got.tolist() == [7] * 6, (step, got)

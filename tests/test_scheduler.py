@@ -156,7 +156,8 @@ def test_step_budget_grants_the_most_tokens_that_fit():
 
     rng = random.Random(0)
     for _ in range(3000):
-        span, cost, tokens = rng.choice([1.0, 7.0, 3840.0, 23552.0]), rng.uniform(0.5, 3000), rng.randrange(1, 4000)
+        span, cost = rng.choice([1.0, 7.0, 3840.0, 23552.0]), rng.uniform(0.5, 3000)
+        tokens = rng.randrange(1, 4000)
         start, n, first = rng.randrange(0, 40000), rng.randrange(1, 5000), rng.random() < 0.5
         b = StepBudget(tokens, cost, span)
         if not first:

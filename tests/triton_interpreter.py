@@ -1,4 +1,5 @@
-"""Running the Triton kernels on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), for the kernel tests.
+"""Running the Triton kernels on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), for the
+kernel tests.
 
 `run_script(source, tmp_path)` runs a test script in a fresh interpreter process (the variable must be set
 before Triton is imported) and checks that it printed "interpreter ok". Importing this module inside such a
@@ -51,7 +52,8 @@ if os.environ.get("TRITON_INTERPRET"):
 
     def _create_fp_to_fp(self, src, dst_type, rounding_mode):
         if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
-            data = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            fp8 = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn)
+            data = fp8.view(torch.uint8).numpy()
             return ti.TensorHandle(data, dst_type.scalar)
         return _fp_to_fp(self, src, dst_type, rounding_mode)
 
