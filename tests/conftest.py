@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 # The longest tests (the kernels in Triton's interpreter, 20-45 s each) start first, so that neither worker of
 # pytest -n 2 is left running one of them alone at the end.
 FIRST = ("test_moe_kernels.py", "test_fp8_kernels.py", "test_mlp_kernel.py", "test_sampling_kernels.py")
+# A GPU test's limit, not pyproject.toml's `timeout`: flashinfer and Triton compile kernels on first use.
+GPU_TIMEOUT = 1200
 
 
 def pytest_configure(config) -> None:
@@ -27,6 +29,9 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: Path(str(item.fspath)).name not in FIRST)  # stable: otherwise the file order
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(GPU_TIMEOUT))
 
 
 # The GPU tests' checkpoint and reference, shared by test_gpu*.py (here, so that a session trains it once).

@@ -24,6 +24,7 @@ llm.shutdown()
 """
 
 
+@pytest.mark.slow
 def test_python_api_under_torchrun(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     script = tmp_path / "user_script.py"
@@ -50,6 +51,7 @@ llm.generate({prompts!r}, SamplingParams(max_new_tokens=4))
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_forgets_shutdown_leaves_the_group_at_exit(tmp_path):
     """Without shutdown(), gloo's threads met interpreter teardown: some runs aborted after their results."""
     script = tmp_path / "no_shutdown.py"
@@ -93,6 +95,7 @@ def run_script(tmp_path, text, timeout=120):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     out = str(tmp_path / "rank")
@@ -188,6 +191,7 @@ second.shutdown()
 """
 
 
+@pytest.mark.slow
 def test_a_dropped_llm_is_freed_before_the_next_one_starts(tmp_path):
     """An LLM the caller drops may keep its memory (on a GPU: weights, KV cache, CUDA graphs) in reference
     cycles until the garbage collector runs. The next LLM then sized its KV pool without that memory, and its
@@ -224,6 +228,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_failure_inside_a_step_makes_every_later_generate_refuse(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     out = str(tmp_path / "rank")
@@ -255,6 +260,7 @@ gc.collect()
 """
 
 
+@pytest.mark.slow
 def test_a_broken_llm_dropped_without_shutdown_does_not_wait_for_its_ranks_at_exit(tmp_path):
     """The exit handler of a dropped LLM could not see that it had broken, and waited at a barrier the ranks,
     out of step, never met together (until timeout_s, then an error at exit on every rank)."""
@@ -280,6 +286,7 @@ with open({out!r} + str(os.environ["RANK"]), "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_an_llm_after_shutdown_in_the_same_processes(tmp_path):
     """Each process group gets its own keys in torchrun's store: the group made after shutdown() used to read
     the last one's, and gloo connected to a closed socket (exit with 'Connection refused', or a hang)."""
@@ -317,6 +324,7 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_shutting_one_llm_down_leaves_the_others_usable(tmp_path):
     """The LLMs of a process share its process group: the first one's shutdown() used to destroy it, and the
     second LLM's generate failed with 'Group ... is not registered'. The last one leaves it, at exit too."""
@@ -365,6 +373,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
     """A second LLM in the same processes used the process group of the first, and with it the first one's
     timeout_s: its followers waited 300 s instead of 2. And the first must keep its own: its norms all-reduced
@@ -396,6 +405,7 @@ os.write(1, b"shut down\\n")
 """
 
 
+@pytest.mark.slow
 def test_the_last_shutdown_waits_with_its_own_llms_timeout(tmp_path):
     """The barrier of the last shutdown() took the group of the LLM made last (hasty, 2 s) although that one
     was shut down first: rank 1 timed out after 2 s while rank 0 was still busy."""
@@ -418,6 +428,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_later_llm_started_differently_on_each_rank_says_so(tmp_path):
     """Only the rank whose timeout_s differed from the first LLM's made new groups: the other never joined,
     and after 10 s the ranks failed with a store timeout instead of the start-up check's message."""
@@ -441,6 +452,7 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp_path):
     """The second LLM closed the shared-memory channel the first one still used (TypeError in its next
     step)."""
@@ -466,6 +478,7 @@ def test_help_lists_every_key_and_print_config_merges(tmp_path):
     assert merged["kv_cache"]["num_pages"] == 12 and merged["kv_cache"]["page_size"] == 16  # defaults kept
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_equal_transformers(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}, "device": "cpu"}
@@ -486,6 +499,7 @@ def test_two_nodes_on_localhost_equal_transformers(tmp_path):
     assert [x["output_token_ids"] for x in lines] == hf_generate(model, [p["input_ids"] for p in PROMPTS], 8)
 
 
+@pytest.mark.slow
 def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):
     """advanced.step_channel: shm sends the step messages through the shared-memory mailbox, on CPU too."""
     model = make_checkpoint(tmp_path / "m")
@@ -503,6 +517,7 @@ def test_shared_memory_step_channel_gives_the_same_tokens(tmp_path):
     assert "leaked shared_memory" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_progress_lines_and_quiet(tmp_path):
     model = make_checkpoint(tmp_path / "m")
     cfg = {"model": str(model), "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}}
@@ -514,6 +529,7 @@ def test_progress_lines_and_quiet(tmp_path):
     assert proc.returncode == 0 and "progress:" not in proc.stderr and "KV cache" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_dummy_weights_from_config_alone(tmp_path):
     src = make_checkpoint(tmp_path / "m")
     cfg_only = tmp_path / "shape"

@@ -52,6 +52,7 @@ print("interpreter ok")
 '''
 
 
+@pytest.mark.slow
 def test_argmax_kernels_pick_as_torch_argmax_in_interpreter(tmp_path):
     """Greedy and temperature draws in one launch each: the chunks' bests merged by the row's last program
     pick exactly torch.argmax's id (the lowest id of the maximum, the first NaN before all), across chunk

@@ -71,6 +71,7 @@ def test_a_tied_checkpoint_may_store_its_head(tmp_path):
         assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW), drop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_tied_checkpoint_whose_head_differs_is_refused(tmp_path, tp):
     """transformers 5 unties such a head; the engine would use the embedding: one message, exit 2, no hang."""

@@ -52,6 +52,7 @@ print("interpreter ok")
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_decode_attention_matches_float64_in_interpreter(tmp_path):
     run_script(SCRIPT, tmp_path)
@@ -110,6 +111,7 @@ print("interpreter ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_qk_norm_rope_store_equals_the_torch_layers_in_interpreter(tmp_path):
     """The graphs' decode path before attention: `qk_norm_rope_store` gives the Q and writes the K/V of the

@@ -18,6 +18,7 @@ def words(text):
     return " ".join(text.split())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_demo_continues_phrases_from_its_training_text(tmp_path, tp):
     cfg = {"model": str(DEMO), "prompts": PHRASES, "sampling": {"max_new_tokens": 24}}
@@ -28,6 +29,7 @@ def test_demo_continues_phrases_from_its_training_text(tmp_path, tp):
         assert words(phrase + line["text"]) in words(CORPUS), line["text"]  # the book, word for word
 
 
+@pytest.mark.slow
 def test_demo_config_runs_as_the_readme_says():
     """The README's demo command (tp-generate, from the checkout's root) prints what its lower-level form,
     torchrun with launch/generate.py, prints: one JSON line per prompt, piped."""
@@ -47,6 +49,7 @@ def test_demo_config_runs_as_the_readme_says():
     assert stdout["tp-generate"] == stdout["torchrun"]
 
 
+@pytest.mark.slow
 def test_chat_template_with_options(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(DEMO, local_files_only=True)
@@ -62,6 +65,7 @@ def test_chat_template_with_options(tmp_path):
     assert tok.decode(lines[1]["prompt_token_ids"]).startswith("<|im_start|>user\nHi<|im_end|>")
 
 
+@pytest.mark.slow
 def test_stop_strings_end_a_request(tmp_path):
     cfg = {"model": str(DEMO), "prompts": [PHRASES[0]],
            "sampling": {"max_new_tokens": 40, "stop": [" sister"]}}
@@ -75,6 +79,7 @@ def test_stop_strings_end_a_request(tmp_path):
     assert (lines[0]["finish_reason"], lines[0]["text"]) == ("stop", " of sitting by her")
 
 
+@pytest.mark.slow
 def test_stream_prints_text_as_it_is_generated(tmp_path):
     cfg = {"model": str(DEMO), "prompts": [PHRASES[0]], "stream": True, "sampling": {"max_new_tokens": 20}}
     proc, lines = run_cli(cfg, tmp_path, nproc=2)

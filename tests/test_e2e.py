@@ -34,6 +34,7 @@ def checkpoints(tmp_path_factory):
 CLI_VARIANT = "sharded_index"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers(checkpoints, tp, tmp_path):
     cfg = {"model": str(checkpoints[CLI_VARIANT][0]), "prompts": [{"input_ids": p} for p in PROMPTS],
@@ -51,6 +52,7 @@ def test_greedy_equals_transformers(checkpoints, tp, tmp_path):
             assert line["text"] is None, variant  # these checkpoints have no tokenizer
 
 
+@pytest.mark.slow
 def test_eos_from_generation_config_stops_like_transformers(tmp_path):
     probe = make_checkpoint(tmp_path / "probe")
     free_run = hf_generate(probe, PROMPTS[:1], MAX_NEW)[0]

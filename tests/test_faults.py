@@ -81,6 +81,7 @@ CONFIG_CASES = {
 TWO_RANKS = ("unknown_key", "cuda_without_gpu", "max_model_len_past_rope_table")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_config_errors(ckpt, tmp_path, case):
     extra, needles = CONFIG_CASES[case]
@@ -133,18 +134,21 @@ def edit_config(path, change):
     (path / "config.json").write_text(json.dumps(c))
 
 
+@pytest.mark.slow
 def test_tp_that_cannot_split_heads(ckpt, tmp_path):
     t0 = time.time()
     proc, _ = run_cli(base(ckpt), tmp_path, nproc=3)  # 4 heads, 2 KV heads, 3 ranks
     assert_fails_once(proc, "num_attention_heads=4", "3", took=time.time() - t0)
 
 
+@pytest.mark.slow
 def test_tp_that_cannot_split_the_mlp(tmp_path):
     path = make_checkpoint(tmp_path / "odd", inter=129)
     proc, _ = run_cli(base(path), tmp_path, nproc=2)
     assert_fails_once(proc, "intermediate_size=129", "2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["architecture", "rope_scaling", "missing_field"])
 def test_model_config_errors(ckpt, tmp_path, case):
     path = variant(tmp_path, ckpt, case)
@@ -192,6 +196,7 @@ CKPT_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CKPT_CASES))
 def test_checkpoint_tensor_errors(ckpt, tmp_path, case):
     path = variant(tmp_path, ckpt, case)
@@ -203,6 +208,7 @@ def test_checkpoint_tensor_errors(ckpt, tmp_path, case):
     assert_fails_once(proc, *needles, took=time.time() - t0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
 def test_corrupt_safetensors_names_the_file(ckpt, tmp_path, how):
     path = variant(tmp_path, ckpt, how)
@@ -213,6 +219,7 @@ def test_corrupt_safetensors_names_the_file(ckpt, tmp_path, how):
     assert_fails_once(proc, "model.safetensors")
 
 
+@pytest.mark.slow
 def test_dtype_not_supported_on_device(ckpt, tmp_path):
     proc, _ = run_cli(base(ckpt, dtype="float16"), tmp_path, nproc=2)
     assert_fails_once(proc, "float16", "CPU")
@@ -220,6 +227,7 @@ def test_dtype_not_supported_on_device(ckpt, tmp_path):
 
 # ---- per-prompt errors ----
 
+@pytest.mark.slow
 def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
     good = [{"input_ids": [5, 17, 300, 42, 8]}, {"input_ids": [1, 2, 3]}]
     prompts = [good[0], {"input_ids": []}, {"input_ids": [3, 512, 4]}, {"input_ids": list(range(1, 70))},
@@ -241,6 +249,7 @@ def test_bad_prompts_get_error_lines_and_the_rest_complete(ckpt, tmp_path):
         [c["output_token_ids"] for c in clean]
 
 
+@pytest.mark.slow
 def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
     demo = ROOT / "configs" / "models" / "demo"  # has a tokenizer and a chat template
     ok = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -256,6 +265,7 @@ def test_any_failure_to_encode_a_prompt_is_that_prompts_error(tmp_path):
     assert "input_ids" in lines[5]["error"]
 
 
+@pytest.mark.slow
 def test_a_bad_prompt_among_good_ones_leaves_the_job_successful(ckpt, tmp_path):
     """Under torchrun, a finished batch with one bad prompt exits 0, as a scheduler needs to keep the job:
     every prompt has its line, and one stderr line says how many ended in error and where the reasons are."""
@@ -274,6 +284,7 @@ def test_a_bad_prompt_among_good_ones_leaves_the_job_successful(ckpt, tmp_path):
     assert json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])["errors"] == 1
 
 
+@pytest.mark.slow
 def test_fail_on_prompt_error_gives_status_3_and_a_resume_may_change_it(ckpt, tmp_path):
     """fail_on_prompt_error: true turns a finished run with an error line into exit status 3, with one error
     line. It decides no token, so a resume that turns it off keeps the finished lines instead of refusing."""
@@ -310,6 +321,7 @@ def test_the_summary_counts_lines_and_the_errors_line_says_where_the_reasons_are
 
 # ---- memory pressure ----
 
+@pytest.mark.slow
 def test_tiny_kv_pool_gives_the_same_tokens(ckpt, tmp_path):
     prompts = [{"input_ids": [(7 * i + j) % 500 + 1 for j in range(10 + 3 * i)]} for i in range(8)]
     sampling = {"max_new_tokens": 24}
@@ -342,6 +354,7 @@ def check_results_file(out, n_prompts):
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_worker_ends_the_job_fast_and_keeps_results(ckpt, tmp_path, victim):
     cfg, out = long_job(ckpt, tmp_path)
@@ -363,6 +376,7 @@ def test_killed_worker_ends_the_job_fast_and_keeps_results(ckpt, tmp_path, victi
         assert not re.search(r'File ".*(tp_engine|launch)/', err), err[-3000:]  # one line, not our traceback
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_then_resume_completes(ckpt, tmp_path, sig):
     cfg, out = long_job(ckpt, tmp_path)
@@ -418,6 +432,7 @@ sys.exit(main())
 STUCK = on_call("runtime.engine.Engine.forward", "1", 150, 'open({marker!r}, "w").close()\ntime.sleep(600)')
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_rank_blocked_in_a_collective(ckpt, tmp_path):
     """SIGTERM to a rank that waits in a collective for a stuck peer: it leaves at once (not after
     timeout_s), and torchrun then ends the stuck one."""
@@ -457,6 +472,7 @@ def run_patched(cfg, tmp_path, source: str, limit: float, **fields) -> tuple[int
     return proc.returncode, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
     cfg, out = long_job(ckpt, tmp_path)
@@ -467,6 +483,7 @@ def test_exception_on_one_rank_stops_the_job(ckpt, tmp_path, rank):
     check_results_file(out, 300)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_are_detected(ckpt, tmp_path):
     import yaml
     port = free_port()
@@ -494,6 +511,7 @@ sys.exit(cli.main())
 """
 
 
+@pytest.mark.slow
 def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_path):
     code, err = run_patched(base(ckpt, device="cpu", timeout_s=2), tmp_path, SLOW_PREFLIGHT, 50)
     assert code != 0
@@ -507,6 +525,7 @@ def test_rank_waiting_past_timeout_s_at_start_up_says_so_in_one_line(ckpt, tmp_p
 SLOW_RANK_0 = on_call("runtime.scheduler.Scheduler.commit", "0", 5, "time.sleep(60)")
 
 
+@pytest.mark.slow
 def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):
     """Through gloo (the CPU's step channel) the wait used to end in gloo's bare 'Timed out waiting ...'."""
     cfg, _ = long_job(ckpt, tmp_path)
@@ -521,6 +540,7 @@ def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt
 STALLED_RANK_0 = on_call("runtime.engine.Engine.forward", "0", 150, "time.sleep(60)")
 
 
+@pytest.mark.slow
 def test_rank_waiting_past_timeout_s_in_a_collective_says_so_in_one_line(ckpt, tmp_path):
     """gloo's own timeout used to end the job with its C++ source path and a traceback, and no word of
     timeout_s."""

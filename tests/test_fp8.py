@@ -424,6 +424,7 @@ def test_fp8_linear_weights_never_exist_in_the_compute_dtype(ckpts, tmp_path, mo
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
     """launch/bench.py --weights bf16,fp8 in one call (on CPU, tiny shapes): an FP8 checkpoint in Qwen's
     format written from the config's shapes, both formats measured."""
@@ -490,6 +491,7 @@ def moe_ckpts(tmp_path_factory):
 DENSE_AT = {1: "fp8", 2: "scales_first", 4: "fp8"}  # which dense FP8 checkpoint runs at each TP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_path):
     """The dense FP8 checkpoint (at TP 2 the one whose scales are read before the weights) and the MoE one

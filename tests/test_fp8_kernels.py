@@ -103,6 +103,7 @@ print("interpreter ok")
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_match_reference_in_interpreter(tmp_path):
     run_script(INTERPRETER_SCRIPT, tmp_path)
@@ -143,6 +144,7 @@ def _variants():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_compile_for_sm90():
     from tp_engine.kernels import fp8_gemm
@@ -159,6 +161,7 @@ def test_kernels_compile_for_sm90():
                 assert "warp_group_dot" in k.asm["ttgir"], what
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("uniform, pair", [(True, False), (False, False), (True, True)])
 def test_fp8_gemv_loop_sums_nothing_across_threads(uniform, pair):

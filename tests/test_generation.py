@@ -20,6 +20,7 @@ def alone(ckpt):
     return [llm.generate([{"input_ids": p}])[0]["output_token_ids"] for p in PROMPTS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,max_batch", [(1, 256), (2, 256), (2, 2)])
 def test_batch_equals_each_prompt_alone(ckpt, alone, tp, max_batch, tmp_path):
     # max_batch 2: requests join and leave the running batch while others decode (continuous batching)
@@ -30,6 +31,7 @@ def test_batch_equals_each_prompt_alone(ckpt, alone, tp, max_batch, tmp_path):
     assert [line["output_token_ids"] for line in lines] == alone
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_across_runs_and_tp(ckpt, tmp_path):
     sampling = {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50, "top_p": 0.95}
     cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "seed": 7,

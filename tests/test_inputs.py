@@ -206,6 +206,7 @@ def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp
         read_prompts(build_config(str(conf), overrides=["prompts=[hello]", f"prompts_file={pf}"]))
 
 
+@pytest.mark.slow
 def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
     """Each is that prompt's error, and the others run on every rank: a key a prompt object does not take
     (not a string, an option meant per prompt, a typo: named with the key meant), two prompt keys in one
@@ -302,6 +303,7 @@ def test_a_checkpoint_without_eos_is_warned_about(tmp_path, caplog):
     assert "eos_token_id" not in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp_path, nproc):
     """A vocab_size of 1e11 (or a model too large for the device) failed in the allocator with a traceback on
@@ -816,6 +818,7 @@ def test_streamed_text_stops_before_a_stop_string():
     assert shown(decode, [" and then"], [1, 2, 5, 2]) == ["by", "by her", "by her", "by her and her"]
 
 
+@pytest.mark.slow
 def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
     """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop
     string."""
@@ -828,6 +831,7 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
     assert proc.stdout == lines[0]["text"] + "\n"
 
 
+@pytest.mark.slow
 def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp_path):
     """`stream: true | head -c 20`: the closed pipe raised BrokenPipeError on rank 0, the run failed (exit 1)
     and `output` was never written."""
@@ -853,6 +857,7 @@ def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp
     assert line["finish_reason"] == "length" and len(line["output_token_ids"]) == 120
 
 
+@pytest.mark.slow
 def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
     """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line; the command line
     used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""

@@ -75,6 +75,7 @@ if os.environ.get("RANK") == "1":  # an unexpected exception on rank 1, as a bug
 """
 
 
+@pytest.mark.slow
 def test_a_crash_keeps_its_traceback(ckpt, tmp_path):
     """A rank's unexpected exception: its traceback stays, the job exits with the rank's status 1."""
     (tmp_path / "sitecustomize.py").write_text(CRASH)  # imported at start-up by every process of the job
@@ -107,6 +108,7 @@ def test_job_status_is_the_first_failed_ranks(capsys):
     assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGKILL\n"
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_the_job_in_the_ranks_words(ckpt, tmp_path):
     """Ctrl-C reaches the launcher (the ranks have sessions of their own): it stops the ranks, rank 0 says
     where the finished results are, and the job exits 130, without a SignalException traceback."""
@@ -126,6 +128,7 @@ def test_ctrl_c_ends_the_job_in_the_ranks_words(ckpt, tmp_path):
     assert len(ranks) == 2 and not any(alive(pid) for pid in ranks.values())
 
 
+@pytest.mark.slow
 def test_launcher_usage_errors_and_help(tmp_path):
     """A bad launcher option or an unknown option is one message, before any rank starts; --help lists the
     launcher's options and the command line's."""
@@ -188,6 +191,7 @@ MOMENTS = {  # seconds after the ranks appear: their interpreter's start-up, bef
 CASES = [("torchrun", moment) for moment in MOMENTS] + [("tp-generate", "imports_1s")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, moment", CASES)
 def test_no_rank_outlives_its_killed_launcher(ckpt, tmp_path, launcher, moment):
     """The launcher killed with SIGKILL at a moment of the start-up or the first step: every rank has ended

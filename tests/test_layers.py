@@ -188,6 +188,7 @@ CHECKS.update(qkv_split=_qkv_split, qkv_replicated=_qkv_replicated, set_up_agree
 
 
 # one test a world size: the parallel workers never both start its ranks
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_layers_equal_unsharded(world, tmp_path):
     failures = run_checks(world, tmp_path)

@@ -79,6 +79,7 @@ print("interpreter ok")
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_fused_gate_up_silu_matches_the_torch_mlp_in_interpreter(tmp_path):
     run_script(INTERPRETER_SCRIPT, tmp_path)

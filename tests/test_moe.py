@@ -70,6 +70,7 @@ def check_against(model, prompt: list[int], ours: list[int], theirs: list[int]) 
     return len(ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers(ckpts, reference, tp, tmp_path):
     sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -121,6 +122,7 @@ def test_moe_intermediate_that_cannot_split_names_both_numbers():
         ModelConfig.from_dict(moe_config(moe_intermediate_size=100, num_hidden_layers=2, **dense)).check_tp(8)
 
 
+@pytest.mark.slow
 def test_startup_error_through_the_command_line(tmp_path):
     """moe_intermediate_size 100 at TP 8 would fail the same way; 33 fails at TP 2, which this machine
     runs."""

@@ -148,6 +148,7 @@ if torch.bfloat16 in DTYPES:  # the check runs bfloat16 activations; the float32
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 # processes the suite runs side by side
 @pytest.mark.parametrize("experts", ["float", "fp8 float32", "fp8 bfloat16"])
@@ -161,6 +162,7 @@ def test_kernels_match_reference_in_interpreter(tmp_path, experts):
 SIZES = ("S", "E", "num_blocks", "num_rows")  # not specialised as multiples of 16
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_kernels_compile_for_sm90():
     from tp_engine.kernels import mlp, moe, moe_grouped as g

@@ -70,6 +70,7 @@ def read_lines(path):
 
 # ---- what the output may be ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["config_file", "prompts_file", "model_file", "symlink_to_device", "fifo",
                                   "stdout_pipe"])
 def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
@@ -113,6 +114,7 @@ def test_output_that_is_not_a_results_file_is_refused(ckpt, tmp_path, case):
         assert target.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_output_dash_is_stdout_and_makes_no_file(ckpt, tmp_path):
     """`output: "-"` prints the results to stdout, as no `output` does; no file named "-" is written."""
     conf = tmp_path / "run.yaml"
@@ -124,6 +126,7 @@ def test_output_dash_is_stdout_and_makes_no_file(ckpt, tmp_path):
     assert not (tmp_path / "-").exists()
 
 
+@pytest.mark.slow
 def test_symlinked_output_is_written_through(ckpt, tmp_path):
     real = tmp_path / "results" / "real.jsonl"
     real.parent.mkdir()
@@ -148,6 +151,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
@@ -164,6 +168,7 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
     assert not (tmp_path / "out.jsonl.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
     """The folders of an output path that did not exist were made before the model was checked, and stayed
     when the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
@@ -191,6 +196,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)",
                                     "raise RuntimeError('injected fault')"])
 def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tmp_path, action):
@@ -213,6 +219,7 @@ def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tm
 
 # ---- one run at a time, and never after torchrun ----
 
+@pytest.mark.slow
 def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     first = start_job(long_cfg(ckpt, out), tmp_path)
@@ -229,6 +236,7 @@ def test_second_run_on_the_same_output_is_refused_at_once(ckpt, tmp_path):
         kill_job(first)
 
 
+@pytest.mark.slow
 def test_workers_end_soon_after_torchrun_is_killed(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     proc = start_job(long_cfg(ckpt, out), tmp_path)
@@ -248,6 +256,7 @@ def test_workers_end_soon_after_torchrun_is_killed(ckpt, tmp_path):
         kill_job(proc, pids.values())
 
 
+@pytest.mark.slow
 def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
     log = tmp_path / "stderr.txt"
     with log.open("w") as err_file:
@@ -270,6 +279,7 @@ def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
     assert f"stopped by SIGINT: {len(lines)} finished results were printed to stdout" in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
     """Rank 0 prints the results to stdout at the end; a Ctrl-C then (here while a reader has not yet drained
     the pipe) used to print them all again from the signal handler: lines twice, one cut and glued to the
@@ -321,6 +331,7 @@ def test_results_printed_to_a_pipe_stay_whole_when_signals_interrupt_the_writes(
     assert [json.loads(line)["index"] for line in lines] == list(range(40))
 
 
+@pytest.mark.slow
 def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monkeypatch):
     """Each finished output stayed in memory to the end of the job (the output list, the result sink, the
     requests), about 45 bytes a token: a million prompts of 2k tokens would not fit in rank 0's memory."""
@@ -490,6 +501,7 @@ RESUME_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_resume_refuses_lines_this_run_would_not_write(finished, tmp_path, case):
     cfg, out = finished
@@ -500,6 +512,7 @@ def test_resume_refuses_lines_this_run_would_not_write(finished, tmp_path, case)
     assert out.read_bytes() == before  # nothing deleted, nothing mixed in
 
 
+@pytest.mark.slow
 def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, tmp_path):
     """`max_model_len: null` means max_position_embeddings: naming that value changes no token."""
     cfg, out = finished
@@ -510,6 +523,7 @@ def test_resume_takes_max_model_len_written_out_as_the_default_it_was(finished, 
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = [PROMPTS[0], {"input_ids": [7] * 40}, PROMPTS[1]]  # 40 tokens do not fit a pool of 32

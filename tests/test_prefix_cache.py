@@ -192,6 +192,7 @@ def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
     assert chunks[1][1] > chunks[-1][1]  # deeper chunks are shorter (the first came before any decoded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
     cfg = {"model": str(ckpt), "prompts": [{"input_ids": p} for p in PROMPTS], "max_prefill_tokens": 12,
@@ -204,6 +205,7 @@ def test_tp_prefix_cache_and_chunks_equal_hf(ckpt, reference, tp, tmp_path):
     assert summary["cached_prompt_tokens"] == sum(line["cached_prompt_tokens"] for line in lines) > 0
 
 
+@pytest.mark.slow
 def test_bench_shared_prefix_and_long_prompt_run_on_cpu(tmp_path):
     """launch/bench.py's prefix-cache and long-prompt workloads, on the demo model's shapes with small
     sizes."""

@@ -55,6 +55,7 @@ def words(ids):
     return " ".join(f"w{i}" for i in ids)
 
 
+@pytest.mark.slow
 def test_reasoning_is_split_from_the_answer(model, tmp_path):
     ckpt, prompt, out = model
     thinking = with_tokenizer(ckpt, tmp_path / "t", out, THINKING)

@@ -24,6 +24,7 @@ def by_key(lines):
     return {(line["index"], line["sample"]): line["output_token_ids"] for line in lines}
 
 
+@pytest.mark.slow
 def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_path):
     base = {"model": str(ckpt), "prompts": PROMPTS, "seed": 5}
     one = LLM(model=str(ckpt), device="cpu").generate(PROMPTS, SamplingParams(seed=5, **SAMPLED))
@@ -51,6 +52,7 @@ def test_sample_j_depends_on_neither_n_nor_tp_and_lines_are_ordered(ckpt, tmp_pa
     assert '"resumed_skipped": 6' in proc.stderr and (tmp_path / "n2.jsonl").read_text().splitlines() == full
 
 
+@pytest.mark.slow
 def test_greedy_n_gives_equal_lines_and_resume_checks_n(ckpt, tmp_path):
     cfg = {"model": str(ckpt), "prompts": PROMPTS[:1], "sampling": {"max_new_tokens": 4, "n": 3}}
     proc, lines = run_cli(cfg, tmp_path)
@@ -85,6 +87,7 @@ def check_logprobs(entries, ref, output, k):
         assert e["top"][0][0] == tok  # greedy: the chosen token is the most likely
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logprobs_equal_transformers_log_softmax(ckpt, tmp_path, tp):
     cfg = {"model": str(ckpt), "prompts": PROMPTS, "sampling": {"max_new_tokens": 6, "logprobs": 5}}
@@ -141,6 +144,7 @@ def test_generation_config_fills_the_sampling_keys_not_set(ckpt, tmp_path, caplo
     assert (got["temperature"], got["top_k"], got["top_p"]) == (1.0, 50, 1.0)
 
 
+@pytest.mark.slow
 def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
     model = with_generation_config(ckpt, tmp_path, QWEN3)
     cfg = {"model": model, "prompts": PROMPTS, "sampling": {"max_new_tokens": 8}}
@@ -180,6 +184,7 @@ def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_
             assert said in warning and "which this engine does not apply" in warning, warning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_the_generation_config_warning_is_said_once_per_run(ckpt, tmp_path, nproc):
     """Rank 0 says it once: every rank builds the config, the command line twice (to check it, then in
@@ -218,6 +223,7 @@ def test_n_and_logprobs_are_checked(ckpt, key, value, message):
         SamplingParams(**{key.split(".")[1]: value})
 
 
+@pytest.mark.slow
 def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     import os
     import subprocess

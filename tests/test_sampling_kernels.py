@@ -51,6 +51,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow
 def test_topk_candidates_match_the_order_key_in_interpreter(tmp_path):
     script = tmp_path / "topk.py"
     script.write_text(SCRIPT)

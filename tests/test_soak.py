@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "launch"))
@@ -23,6 +25,7 @@ REQUESTS = 2400
 RSS_BOUND = 2 << 20
 
 
+@pytest.mark.slow
 def test_thousands_of_requests_hold_host_memory_and_open_files():
     """After the first tenth of the run, host RSS grows by less than RSS_BOUND and the open file descriptors
     are the same at the end; the run did all its work, with prefix-cache hits in a pool that evicts."""
@@ -42,6 +45,7 @@ def test_thousands_of_requests_hold_host_memory_and_open_files():
     assert res["tenths"][-1]["cached_pages"] > res["kv_pages"] // 2
 
 
+@pytest.mark.slow
 def test_bench_soak_workload_reports_each_target(tmp_path):
     """launch/bench.py --workload soak: the figures of every tenth in the JSON line, and a PASS or FAIL line
     per target on stderr."""
