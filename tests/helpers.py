@@ -91,6 +91,32 @@ def hf_generate(path: Path, prompts: list[list[int]], max_new_tokens: int) -> li
     return outs
 
 
+def shell_lines(markdown: str) -> list[str]:
+    """The command lines of a Markdown text's fenced blocks without a language (the README's shell commands),
+    with backslash continuations joined."""
+    lines, fence = [], None  # fence: the language of the open block, "" for none
+    for line in markdown.replace("\\\n", " ").splitlines():
+        if line.lstrip().startswith("```"):
+            fence = line.lstrip()[3:].strip() if fence is None else None
+        elif fence == "" and line.strip():
+            lines.append(line.strip())
+    return lines
+
+
+def assert_rate_ratio(ratio: float, num: dict, den: dict) -> None:
+    """`ratio` is num's output tokens per second over den's, and each run's output_tok_s its output_tokens
+    over its seconds, as far as the rounding of launch/bench.py's figures allows (seconds to 1 ms, tokens/s to
+    0.1, the ratio to 3 or 4 digits)."""
+    def rate(run: dict, slack: float) -> float:  # tokens/s with the rounded seconds moved by `slack`
+        assert run["seconds"] > 5e-4, run  # took some time: the bounds are finite
+        return run["output_tokens"] / (run["seconds"] + slack)
+    for run in (num, den):
+        assert rate(run, 5e-4) - 0.05 <= run["output_tok_s"] <= rate(run, -5e-4) + 0.05, run
+    low = (rate(num, 5e-4) - 0.05) / (rate(den, -5e-4) + 0.05) - 5e-4
+    high = (rate(num, -5e-4) + 0.05) / (rate(den, 5e-4) - 0.05) + 5e-4
+    assert low <= ratio <= high, (ratio, low, high, num, den)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

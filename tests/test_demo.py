@@ -1,13 +1,14 @@
 """The shipped demo model: readable text, its tokenizer, chat templates, stop strings and streaming."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from helpers import GENERATE, ROOT, TP_GENERATE, run_cli
+from helpers import ROOT, TP_GENERATE, run_cli, shell_lines
 
 DEMO = ROOT / "configs" / "models" / "demo"
 CORPUS = (ROOT / "launch" / "data" / "corpus.txt").read_text()
@@ -31,15 +32,19 @@ def test_demo_continues_phrases_from_its_training_text(tmp_path, tp):
 
 @pytest.mark.slow
 def test_demo_config_runs_as_the_readme_says():
-    """The README's demo command (tp-generate, from the checkout's root) prints what its lower-level form,
-    torchrun with launch/generate.py, prints: one JSON line per prompt, piped."""
+    """The README's demo commands, run as written from the checkout's root: tp-generate prints what its
+    lower-level form, torchrun with launch/generate.py, prints: one JSON line per prompt, piped."""
     conf = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    launchers = {"tp-generate": [*TP_GENERATE, "--nproc_per_node=2"],
-                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                              "--standalone", str(GENERATE)]}
+    commands = [shlex.split(line) for line in shell_lines((ROOT / "README.md").read_text())
+                if "configs/demo.yaml" in line]
+    assert sorted(c[0] for c in commands) == ["torchrun", "tp-generate"], commands
+    # the installed tp-generate as this interpreter runs it; torchrun on a port of its own
+    launchers = {"tp-generate": TP_GENERATE,
+                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"]}
     stdout = {}
-    for name, launcher in launchers.items():
-        proc = subprocess.run([*launcher, "--config", "configs/demo.yaml"], capture_output=True, text=True,
+    for command in commands:
+        name = command[0]
+        proc = subprocess.run([*launchers[name], *command[1:]], capture_output=True, text=True,
                               timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout[name] = proc.stdout

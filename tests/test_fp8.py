@@ -440,7 +440,14 @@ def test_bench_runs_both_formats_and_writes_an_fp8_checkpoint(ckpts, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["weights"]["format"] == "bf16" and res["fp8"]["weights"]["format"] == "fp8"
-    assert res["latency"]["decode_tok_s"] > 0 and res["fp8"]["latency"]["decode_tok_s"] > 0
+    for run in (res, res["fp8"]):
+        lat = run["latency"]
+        assert (lat["prompt_tokens"], lat["new_tokens"]) == (8, 4), lat
+        # the rate and the step time are one measurement (rounded to 0.1 tokens/s and 1 us)
+        ms = lat["ms_per_step"]
+        assert 1e3 / (ms + 5e-4) - 0.05 <= lat["decode_tok_s"] <= 1e3 / (ms - 5e-4) + 0.05, lat
+    # the engine holds each of the model's weights once
+    assert res["weights"]["bytes_per_rank"] == res["weights"]["model_bytes_over_tp"]
     fp8 = tmp_path / "random-fp8"
     quant = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     assert quant["weight_block_size"] == [128, 128]

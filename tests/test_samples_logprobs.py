@@ -229,7 +229,7 @@ def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     import subprocess
     import sys
 
-    from helpers import ROOT
+    from helpers import ROOT, assert_rate_ratio
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ckpt), "--engine", "ours",
            "--workload", "sampling,n8", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
@@ -242,5 +242,6 @@ def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     s = res["sampling"]
     assert (s["top_k_top_p"]["top_k"], s["top_k_top_p"]["top_p"], s["temperature_only"]["top_k"]) == \
         (20, 0.95, 0)
-    assert s["ratio"] > 0 and res["n8"]["ratio"] > 0
+    assert_rate_ratio(s["ratio"], s["top_k_top_p"], s["temperature_only"])
+    assert_rate_ratio(res["n8"]["ratio"], res["n8"]["n_samples"], res["n8"]["separate_prompts"])
     assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48
