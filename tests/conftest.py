@@ -17,8 +17,8 @@ GPU_TIMEOUT = 1200
 
 def pytest_configure(config) -> None:
     """Under pytest -n N each worker gets its share of the cores for torch's threads, in this process and the
-    ones it starts. Two threads a worker on two cores left each in-process test waiting on a thread the other
-    worker had descheduled: a test of 10 s alone took over 100 s next to another worker."""
+    ones it starts: with more threads than its share, an in-process test waits on threads the other worker's
+    load deschedules (a test of 10 s alone takes over 100 s beside another worker)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         share = str(max(1, len(os.sched_getaffinity(0)) // workers))

@@ -109,9 +109,10 @@ def test_exception_between_steps_leaves_every_rank_ready_for_the_next_generate(t
 
 
 def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_path):
-    """A generate() started from an on_finish callback took the running call's KV pages and page tables: it
-    failed with an internal AssertionError ("step message keeps 3 pages of slot 1, which has 0"). The options:
-    a model folder given as a Path; overrides given as one string were read a character at a time."""
+    """A generate() called from an on_finish callback raises RuntimeError, since it would take the running
+    call's KV pages and page tables, and the engine stays usable: the next generate gives transformers'
+    tokens. The options: a model folder given as a Path is taken; overrides given as one string are refused,
+    not read a character at a time."""
     from pathlib import Path
 
     from tp_engine import LLM, SamplingParams
@@ -136,8 +137,8 @@ def test_generate_from_a_callback_is_refused_and_the_engine_stays_usable(tmp_pat
 
 
 def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monkeypatch):
-    """At TP 1 no other rank can be out of step: Ctrl-C in the middle of a step (a notebook user stopping a
-    long generate) used to make every later generate refuse with 'the ranks may be out of step'."""
+    """At TP 1 no other rank can be out of step: after Ctrl-C in the middle of a step (a notebook user
+    stopping a long generate), the next generate runs and gives transformers' tokens."""
     from tp_engine import LLM, SamplingParams
     from tp_engine.runtime import engine
     model = make_checkpoint(tmp_path / "m")
@@ -160,8 +161,8 @@ def test_a_lone_rank_interrupted_inside_a_step_can_generate_again(tmp_path, monk
 
 
 def test_outputs_do_not_share_lists_with_the_caller_or_each_other(tmp_path):
-    """`prompt_token_ids` was the caller's own input_ids list, shared by the n samples: building the next
-    turn with ids.append(...) changed the earlier outputs, and extending one output changed its siblings'."""
+    """Each output's `prompt_token_ids` is a list of its own: appending to the caller's input_ids (to build
+    the next turn) or to one sample's list changes no other output."""
     from tp_engine import LLM, SamplingParams
     llm = LLM(model=str(make_checkpoint(tmp_path / "m")), device="cpu")
     ids = [5, 6, 7]
@@ -194,9 +195,8 @@ second.shutdown()
 @pytest.mark.slow
 def test_a_dropped_llm_is_freed_before_the_next_one_starts(tmp_path):
     """An LLM the caller drops may keep its memory (on a GPU: weights, KV cache, CUDA graphs) in reference
-    cycles until the garbage collector runs. The next LLM then sized its KV pool without that memory, and its
-    CUDA-graph capture failed when the collector freed the old graphs in the middle of it. A new LLM collects
-    first."""
+    cycles until the garbage collector runs. A new LLM collects first, so it sizes its KV pool with that
+    memory free and no collection frees old CUDA graphs in the middle of its own capture."""
     model = str(make_checkpoint(tmp_path / "m"))
     proc = subprocess.run([sys.executable, "-c", CYCLE.format(root=str(ROOT), model=model)],
                           capture_output=True, text=True, timeout=120)
@@ -262,8 +262,8 @@ gc.collect()
 
 @pytest.mark.slow
 def test_a_broken_llm_dropped_without_shutdown_does_not_wait_for_its_ranks_at_exit(tmp_path):
-    """The exit handler of a dropped LLM could not see that it had broken, and waited at a barrier the ranks,
-    out of step, never met together (until timeout_s, then an error at exit on every rank)."""
+    """The exit handler of a dropped LLM whose ranks fell out of step (a fault inside a step on rank 1) does
+    not wait at a barrier they would never meet together: the script exits 0 with no error at exit."""
     model = make_checkpoint(tmp_path / "m")
     proc = run_script(tmp_path, DROPPED.format(root=str(ROOT), model=str(model), prompts=PROMPTS))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -288,8 +288,9 @@ with open({out!r} + str(os.environ["RANK"]), "w") as f:
 
 @pytest.mark.slow
 def test_an_llm_after_shutdown_in_the_same_processes(tmp_path):
-    """Each process group gets its own keys in torchrun's store: the group made after shutdown() used to read
-    the last one's, and gloo connected to a closed socket (exit with 'Connection refused', or a hang)."""
+    """LLMs made one after another in the same processes, each after the last one's shutdown(), all give
+    transformers' tokens: each process group has its own keys in torchrun's store, so gloo never connects to
+    the closed socket of an earlier group."""
     want, outs = hf_and_rank0_runs(tmp_path, AGAIN)
     assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 3
     assert json.loads((tmp_path / "rank1").read_text()) == [None] * 3
@@ -326,8 +327,8 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 
 @pytest.mark.slow
 def test_shutting_one_llm_down_leaves_the_others_usable(tmp_path):
-    """The LLMs of a process share its process group: the first one's shutdown() used to destroy it, and the
-    second LLM's generate failed with 'Group ... is not registered'. The last one leaves it, at exit too."""
+    """The LLMs of a process share its process group: shutting the first down leaves the second's generate
+    working ('Group ... is not registered' otherwise), and the last one leaves the group, at exit too."""
     model = make_checkpoint(tmp_path / "m")
     proc = run_script(tmp_path, TWO_LLMS.format(root=str(ROOT), model=str(model), prompts=PROMPTS,
                                                 out=str(tmp_path / "rank")))
@@ -375,9 +376,9 @@ os._exit(0)
 
 @pytest.mark.slow
 def test_each_llm_of_a_process_waits_its_own_timeout(tmp_path):
-    """A second LLM in the same processes used the process group of the first, and with it the first one's
-    timeout_s: its followers waited 300 s instead of 2. And the first must keep its own: its norms all-reduced
-    through the latest LLM's group."""
+    """Two LLMs in the same processes each wait their own timeout_s: the second's followers give up after its
+    2 s, not the first's 300 s, and the first keeps its own group (its norms all-reduce there), waiting out
+    delays longer than the second's timeout_s."""
     model = make_checkpoint(tmp_path / "m")
     out = str(tmp_path / "rank")
     proc = run_script(tmp_path,
@@ -407,8 +408,8 @@ os.write(1, b"shut down\\n")
 
 @pytest.mark.slow
 def test_the_last_shutdown_waits_with_its_own_llms_timeout(tmp_path):
-    """The barrier of the last shutdown() took the group of the LLM made last (hasty, 2 s) although that one
-    was shut down first: rank 1 timed out after 2 s while rank 0 was still busy."""
+    """The barrier of the last shutdown() waits with the timeout_s of the LLM being shut down, not that of the
+    LLM made last (2 s, shut down first): rank 1 waits there while rank 0 is still busy."""
     model = make_checkpoint(tmp_path / "m")
     proc = run_script(tmp_path, LAST_SHUTDOWN.format(root=str(ROOT), model=str(model), prompts=PROMPTS))
     assert proc.returncode == 0 and proc.stdout.count("shut down") == 2, proc.stdout + proc.stderr[-3000:]
@@ -430,8 +431,8 @@ os._exit(0)
 
 @pytest.mark.slow
 def test_a_later_llm_started_differently_on_each_rank_says_so(tmp_path):
-    """Only the rank whose timeout_s differed from the first LLM's made new groups: the other never joined,
-    and after 10 s the ranks failed with a store timeout instead of the start-up check's message."""
+    """A later LLM whose timeout_s differs between the ranks fails on every rank with the start-up check's
+    message, not with a store timeout of process groups that only one rank made."""
     model = make_checkpoint(tmp_path / "m")
     proc = run_script(tmp_path, MISMATCH.format(root=str(ROOT), model=str(model)))
     for rank in (0, 1):
@@ -454,8 +455,8 @@ with open({out!r} + os.environ["RANK"], "w") as f:
 
 @pytest.mark.slow
 def test_an_llm_with_another_step_channel_leaves_the_first_ones_channel_open(tmp_path):
-    """The second LLM closed the shared-memory channel the first one still used (TypeError in its next
-    step)."""
+    """A second LLM with another step channel (gloo) leaves the first one's shared-memory channel open: both
+    give transformers' tokens."""
     want, outs = hf_and_rank0_runs(tmp_path, CHANNELS)
     assert [[o["output_token_ids"] for o in run] for run in outs] == [want] * 2
 

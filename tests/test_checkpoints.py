@@ -37,8 +37,8 @@ def test_a_folder_saved_again_whole_reads_model_safetensors_not_its_stale_index(
 
 @pytest.mark.parametrize("index", [True, False])
 def test_a_tensor_in_two_files_is_refused(tmp_path, index):
-    """Which copy transformers takes depends on its version (5.24 takes the stray copy whichever file it is
-    in); the engine took the one in the file it read last, silently."""
+    """A tensor in two weight files is refused, naming both files: which copy transformers takes depends on
+    its version (5.24 takes the stray copy whichever file it is in), so neither choice is safe."""
     path = make_checkpoint(tmp_path / "m", shard=True)
     weight_map = index_of(path)
     if not index:
@@ -98,8 +98,8 @@ def test_fields_config_json_leaves_out_take_transformers_defaults(tmp_path, fiel
 
 
 def test_a_float64_checkpoint_loads_as_transformers_loads_it(tmp_path):
-    """float64 weights (transformers saves them; the FP8 quantizer copies a float64 source's embeddings, norms
-    and LM head as they are) were refused: 'dtype F64 is not supported'."""
+    """float64 weights load, with transformers' tokens: transformers saves them, and the FP8 quantizer copies
+    a float64 source's embeddings, norms and LM head as they are."""
     path = make_checkpoint(tmp_path / "m")
     tensors = load_file(str(path / "model.safetensors"))
     save_file({k: v.double() for k, v in tensors.items()}, str(path / "model.safetensors"),
@@ -108,7 +108,8 @@ def test_a_float64_checkpoint_loads_as_transformers_loads_it(tmp_path):
 
 
 def test_an_index_with_an_empty_weight_map_is_named(tmp_path):
-    """It was reported as a folder without weights, beside the shards it holds."""
+    """An index that lists no tensors is named as such, not taken for a folder without weights beside the
+    shards it holds."""
     path = make_checkpoint(tmp_path / "m", shard=True)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     with pytest.raises(CheckpointError, match="model.safetensors.index.json lists no tensors"):
@@ -123,8 +124,9 @@ def test_float8_tensors_in_a_module_kept_unquantized_name_the_key(tmp_path):
 
 
 def test_a_weight_file_that_is_a_broken_link_or_an_index_that_is_not_utf8_is_named(tmp_path):
-    """A cached snapshot whose blob is gone used to be reported as missing from an index that does not exist;
-    an index that is not UTF-8 gave a bare codec error naming no file."""
+    """A weight file that is a broken link (a cached snapshot whose blob is gone) is named as unreadable, not
+    as missing from an index that does not exist; an index that is not UTF-8 is named, not a bare codec
+    error."""
     (tmp_path / "model.safetensors").symlink_to(tmp_path / "gone")
     with pytest.raises(CheckpointError, match="model.safetensors is not a readable file"):
         checkpoint_files(str(tmp_path))
@@ -148,8 +150,8 @@ def _edit_config(path, **changes):
                                      {"use_sliding_window": True, "sliding_window": 4},
                                      {"use_sliding_window": True, "sliding_window": 4, "layer_types": ...}])
 def test_use_sliding_window_where_no_layer_slides_loads_as_transformers_runs_it(tmp_path, changes):
-    """transformers slides no layer of these (a window of 4 would change its tokens): full attention, as here.
-    The engine refused every config with use_sliding_window true."""
+    """use_sliding_window true where transformers slides no layer (a window of 4 would change its tokens)
+    loads with full attention, as transformers runs it: the same tokens."""
     path = make_checkpoint(tmp_path / "m")  # 2 layers; max_window_layers 28
     _edit_config(path, **changes)
     assert engine_greedy(path) == hf_generate(path, PROMPTS, NEW)
@@ -176,8 +178,9 @@ def test_an_absent_sliding_window_is_transformers_default_window(tmp_path):
 
 def test_rope_scaling_beside_rope_parameters_is_what_transformers_uses(tmp_path):
     """transformers 5 writes rope_parameters; a rope_scaling added beside it (as Qwen's model cards describe
-    for YaRN) replaces it there. The engine read rope_parameters alone: it ran default RoPE, other tokens,
-    silently."""
+    for YaRN) replaces it there, so the engine reads it too: YaRN is refused by name rather than run as
+    default RoPE with other tokens, and a rope_scaling without rope_theta takes the top-level one, as
+    transformers does."""
     path = make_checkpoint(tmp_path / "yarn")
     _edit_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                      "original_max_position_embeddings": 128})

@@ -37,8 +37,9 @@ def test_unknown_key_suggests_the_key_meant(given, meant):
 @pytest.mark.parametrize("given", ["tp=2", "num_gpus=2", "num_samples=2", "num_beams=2", "stop_strings=[x]",
                                    "pad_token_id=0"])
 def test_unknown_key_suggests_no_unrelated_key(given):
-    """A bare name matched loosely: 'tp' was 'sampling.stop', 'num_gpus' 'kv_cache.num_pages', 'stop_strings'
-    (transformers' name for sampling.stop) 'sampling.stop_token_ids'."""
+    """A bare name gets no suggestion that only looks alike: not 'sampling.stop' for 'tp',
+    'kv_cache.num_pages' for 'num_gpus', nor 'sampling.stop_token_ids' for 'stop_strings' (transformers' name
+    for sampling.stop)."""
     assert error(given) == f"unknown config key '{given.split('=')[0]}'"
 
 

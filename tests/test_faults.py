@@ -371,7 +371,7 @@ def test_killed_worker_ends_the_job_fast_and_keeps_results(ckpt, tmp_path, victi
     assert proc.returncode != 0
     check_results_file(out, 300)
     err = proc.stderr.read()
-    if victim == 1:  # rank 0 says where the finished results are (it used to end in gloo's words alone)
+    if victim == 1:  # rank 0 says where the finished results are, not in gloo's words alone
         assert f"finished results are in {out}; run again with resume: true" in err, err[-3000:]
         assert not re.search(r'File ".*(tp_engine|launch)/', err), err[-3000:]  # one line, not our traceback
 
@@ -527,7 +527,8 @@ SLOW_RANK_0 = on_call("runtime.scheduler.Scheduler.commit", "0", 5, "time.sleep(
 
 @pytest.mark.slow
 def test_rank_waiting_past_timeout_s_for_a_step_message_says_so_in_one_line(ckpt, tmp_path):
-    """Through gloo (the CPU's step channel) the wait used to end in gloo's bare 'Timed out waiting ...'."""
+    """A follower waiting past timeout_s for a step message through gloo (the CPU's step channel) ends in one
+    line naming timeout_s and the likely cause, not in gloo's bare 'Timed out waiting ...'."""
     cfg, _ = long_job(ckpt, tmp_path)
     code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, SLOW_RANK_0, 50)
     assert code != 0
@@ -542,8 +543,8 @@ STALLED_RANK_0 = on_call("runtime.engine.Engine.forward", "0", 150, "time.sleep(
 
 @pytest.mark.slow
 def test_rank_waiting_past_timeout_s_in_a_collective_says_so_in_one_line(ckpt, tmp_path):
-    """gloo's own timeout used to end the job with its C++ source path and a traceback, and no word of
-    timeout_s."""
+    """A rank waiting past timeout_s in a collective ends in one line naming timeout_s, without gloo's C++
+    source path or a traceback; the finished results are in the output file."""
     cfg, out = long_job(ckpt, tmp_path)
     code, err = run_patched({**cfg, "timeout_s": 5}, tmp_path, STALLED_RANK_0, 50)
     assert code != 0

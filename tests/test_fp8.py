@@ -329,8 +329,9 @@ def test_quantizer_refuses_to_split_an_engine_matmul(ckpts, tmp_path):
 
 
 def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path, capsys):
-    """Quantizing into the source folder (or over another checkpoint) used to rewrite its config.json and
-    leave a folder that loaded neither way; bad arguments gave tracebacks."""
+    """Quantizing into the source folder or over another checkpoint is refused before anything is written (a
+    rewritten config.json would leave a folder that loads neither way); bad arguments exit 2 naming the
+    option, not a traceback."""
     from quantize_fp8 import main
     src = ckpts["src"]
     before = (src / "config.json").read_text()
@@ -348,9 +349,8 @@ def test_quantizer_refuses_a_used_destination_and_bad_arguments(ckpts, tmp_path,
 
 
 def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
-    """A destination that is a file (or lies under one) gave a traceback; one that is not writable, a
-    traceback after the first shard had been quantized: one message now, before any work, and nothing is
-    touched."""
+    """A destination that is a file, lies under one, or is not writable gets one message before any work,
+    rather than a traceback (after the first shard for a folder that is not writable); nothing is touched."""
     afile = tmp_path / "afile"
     afile.write_text("keep")
     for dst in (afile, afile / "out"):
@@ -367,8 +367,8 @@ def test_quantizer_refuses_a_destination_it_cannot_write(ckpts, tmp_path):
         assert not any(locked.iterdir())
 
 def test_quantizer_sizes_float64_tensors(ckpts, tmp_path):
-    """A float64 source's unquantized tensors were counted at 4 bytes an element: shards twice --shard-size
-    and a wrong total_size in the index."""
+    """A float64 source's unquantized tensors count at 8 bytes an element: every shard of more than one tensor
+    stays within --shard-size, and the index's total_size is the sum of the files' tensors."""
     src = tmp_path / "f64"
     shutil.copytree(ckpts["src"], src)
     save_file({k: v.double() for k, v in load_file(str(src / "model.safetensors")).items()},
@@ -383,8 +383,8 @@ def test_quantizer_sizes_float64_tensors(ckpts, tmp_path):
 
 
 def test_quantizer_refuses_a_weight_with_infinite_values(ckpts, tmp_path):
-    """An inf made its block's scale inf, so every other value of the 128 x 128 block read back as NaN; the
-    checkpoint was written without a word."""
+    """A weight holding an inf is refused by name: its block's scale would be inf, and every other value of
+    the 128 x 128 block would read back as NaN."""
     src = tmp_path / "inf"
     shutil.copytree(ckpts["src"], src)
     tensors = load_file(str(src / "model.safetensors"))
@@ -502,8 +502,8 @@ DENSE_AT = {1: "fp8", 2: "scales_first", 4: "fp8"}  # which dense FP8 checkpoint
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_path):
     """The dense FP8 checkpoint (at TP 2 the one whose scales are read before the weights) and the MoE one
-    with FP8 experts, both in one torchrun job per TP (a job each spent most of its time starting processes);
-    TP 1 in this process."""
+    with FP8 experts give transformers' float64 tokens on the dequantized weights, near ties excepted; both in
+    one torchrun job per TP (starting the processes is most of a job's time), TP 1 in this process."""
     models = {"dense": ckpts[DENSE_AT[tp]], "moe": moe_ckpts[0]}
     sampling = {"max_new_tokens": MAX_NEW, "ignore_eos": True}  # the references run MAX_NEW steps
     results = api_outputs(models, PROMPTS, sampling, tp, tmp_path)
@@ -517,8 +517,8 @@ def test_greedy_equals_transformers_float64(ckpts, expected, moe_ckpts, tp, tmp_
 
 
 def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp_path):
-    """`mlp.experts` names the stacked experts as the engine (and transformers) read it: the quantizer used to
-    quantize every expert anyway, giving a checkpoint the engine refused."""
+    """`mlp.experts` in modules_to_not_convert names the stacked experts as the engine (and transformers) read
+    it: the quantizer keeps every expert unquantized, and the engine loads the checkpoint."""
     from tp_engine.llm import LLM
     path, _, _ = moe_ckpts
     out = tmp_path / "kept"
@@ -534,8 +534,8 @@ def test_quantizer_keeps_a_moe_layers_experts_named_as_one_module(moe_ckpts, tmp
 
 def test_experts_kept_unquantized_one_by_one(moe_ckpts, tmp_path):
     """modules_to_not_convert listing every expert of a layer keeps that layer's experts unquantized, as
-    listing q_proj, k_proj and v_proj keeps qkv_proj: the quantizer wrote such checkpoints, which the engine
-    refused with a dtype error. Some experts only: one message naming the layer."""
+    listing q_proj, k_proj and v_proj keeps qkv_proj, and the engine loads the checkpoint; listing some
+    experts only is refused with one message naming the layer."""
     from tp_engine.comm import StartupError
     from tp_engine.llm import LLM
     path, _, _ = moe_ckpts

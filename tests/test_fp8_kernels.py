@@ -165,11 +165,10 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("uniform, pair", [(True, False), (False, False), (True, True)])
 def test_fp8_gemv_loop_sums_nothing_across_threads(uniform, pair):
-    """The FP8 GEMV's k-loop sums no products across threads (that took 12-48 warp shuffles an iteration, and
-    barriers with them), loads the weights 16 bytes at a time, and issues those loads before its first
-    barrier: after it, they waited every iteration for the activations' trip to the L2 cache (4.8% of a
-    Qwen3-8B FP8 decode step on an H200). pair: the MLP's gate and up rows in pairs (kernels/mlp.py), the same
-    loop."""
+    """The FP8 GEMV's k-loop sums no products across threads (12-48 warp shuffles an iteration, and barriers
+    with them, otherwise), loads the weights 16 bytes at a time, and issues those loads before its first
+    barrier, so they do not wait every iteration for the activations' trip to the L2 cache (4.8% of a Qwen3-8B
+    FP8 decode step on an H200). pair: the MLP's gate and up rows in pairs (kernels/mlp.py), the same loop."""
     from tp_engine.kernels import fp8
 
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr": "*i32", "out_ptr": "*bf16"}

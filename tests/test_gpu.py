@@ -265,8 +265,8 @@ def test_cuda_graph_decode_matches_eager(tiny_ckpt, hf_ref, monkeypatch):
 
 def test_graph_decode_without_the_direct_planner_decides_once_per_batch_size(tiny_ckpt, monkeypatch):
     """When flashinfer's compiled planner cannot be called directly (another release; FAST_PLAN off), the
-    wrappers plan through `plan` every step, with the same tokens. The check whether the direct call works
-    used to run again at every step (a full wait for the GPU each time)."""
+    wrappers plan through `plan` every step, with the same tokens, and whether the direct call works is
+    decided once per batch size, not at every step (a full wait for the GPU each time)."""
     needs_flashinfer()
     from tp_engine.attention import flashinfer_backend as fb
     from tp_engine.kernels import decode_attention
@@ -308,10 +308,9 @@ def test_bf16_greedy_matches_hf(tiny_ckpt, hf_model, hf_ref):
 
 
 def test_graphs_are_captured_with_the_garbage_collector_off(tiny_ckpt, monkeypatch):
-    """An engine dropped in a reference cycle is freed when the garbage collector runs; freeing its CUDA
-    graphs during another engine's capture ended that capture with an error (seen once as a failed start-up of
-    the engine built after another's). Every capture, decode graphs and prompt-step pieces, now runs with the
-    collector off; it is on again afterwards."""
+    """Every capture, decode graphs and prompt-step pieces, runs with the garbage collector off, and it is on
+    again afterwards: an engine dropped in a reference cycle is freed when the collector runs, and freeing its
+    CUDA graphs during another engine's capture ends that capture with an error."""
     needs_flashinfer()
     begin, seen = torch.cuda.CUDAGraph.capture_begin, []
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",

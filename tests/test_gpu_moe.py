@@ -173,8 +173,8 @@ def test_cuda_graph_decode_matches_eager(moe_ckpt, hf_moe_ref, monkeypatch):
 
 def test_experts_without_the_fused_kernels_run_with_cuda_graph_on(moe_ckpt, hf_moe, hf_moe_ref):
     """`advanced.fused_kernels: off` (or Triton missing): the torch experts read their token counts on the
-    host, which a capture refuses, so start-up used to fail on every rank with cuda_graph on (the default).
-    The graphs stay off for such a model, and its tokens follow transformers'."""
+    host, which a capture refuses, so with cuda_graph on (the default) the graphs stay off for such a model,
+    start-up succeeds on every rank, and its tokens follow transformers'."""
     needs_flashinfer()
     m = llm(moe_ckpt, cuda_graph=True, advanced={"fused_kernels": "off"})
     assert m.engine.graphs is None and m.engine.pieces is None

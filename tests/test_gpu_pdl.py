@@ -5,8 +5,8 @@ it.
 A producer kernel lets the next kernel start at once and writes that kernel's input only 20 ms later; each
 kernel's result must equal its result on the same input written beforehand. The GEMV launched early without
 its wait reads the old input, so the check can fail. The delay is long so that the next kernel is queued
-before the input is written even when the host is slow to launch it: with 200 us, that control check once
-passed late in a full GPU run.
+before the input is written even when the host is slow to launch it: with 200 us, that control check can
+pass late in a full GPU run.
 
 Marker `gpu`; skipped without CUDA, and on GPUs older than sm_90 (no programmatic dependent launch there).
 """

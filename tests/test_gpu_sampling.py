@@ -149,8 +149,9 @@ def test_qwen3_sampling_through_the_topk_kernel_equals_the_cpu_reference():
 
 
 def test_a_nan_logit_is_what_every_kernel_draw_picks():
-    """As on the CPU (test_sampling.py): the fused draws pick the first NaN of a row, whatever its sign bit,
-    in fp32 and bf16 logits; the top-k draw among the candidates returned an id past the vocabulary."""
+    """As on the CPU (test_sampling.py): every fused draw, the top-k draw among the candidates included, picks
+    the first NaN of a row, whatever its sign bit, in fp32 and bf16 logits, never an id past the
+    vocabulary."""
     from tp_engine.kernels import select
 
     ops = select(DEV, "on")  # a failed self-test is a failure here, not a skip

@@ -102,7 +102,7 @@ def test_unreadable_config_or_prompts_file_is_one_message(tmp_path, capsys, monk
 
 def test_rank0_holds_a_jobs_prompt_ids_in_a_few_bytes_a_token(tmp_path, monkeypatch):
     """Rank 0 holds every prompt of a job while it runs: the ids read from prompts_file and their encoded copy
-    took about 45 bytes a token as Python ints (a million prompts of 500 tokens: 22 GB)."""
+    take a few bytes a token, not the 45 of Python ints (a million prompts of 500 tokens: 22 GB)."""
     import random
     import tracemalloc
     from tp_engine.llm import LLM
@@ -157,8 +157,8 @@ def test_a_jobs_texts_are_tokenized_in_batches_with_the_ids_of_one_at_a_time(mon
 
 
 def test_encoding_a_jobs_texts_holds_a_batch_of_them_as_python_ints(monkeypatch):
-    """encode_all tokenized every text, then made the ids compact: at its peak it held all of a job's ids as
-    Python ints, about 45 bytes a token."""
+    """encode_all makes each batch's ids compact before it tokenizes the next: at its peak it holds one batch
+    as Python ints (about 45 bytes a token), not all of a job's."""
     import tracemalloc
     from tp_engine.frontend import prompts as P
     monkeypatch.setattr(P, "TOKENIZE_BATCH", 64)
@@ -241,7 +241,7 @@ CONFIG_JSON_CASES = {
     "not_an_object": ([1, 2], "must hold a JSON object, got list"),
     "string_for_window_layers": ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "1"},
                                  "field 'max_window_layers' must be an integer >= 0, got \"1\""),
-    # these failed inside the first step (a shape mismatch), or ran with no keys at all (8 KV heads for 4)
+    # refused here, not inside the first step (a shape mismatch) or run with no keys at all (8 KV heads for 4)
     "kv_heads_not_dividing": ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of "
                                                           "num_key_value_heads=3"),
     "more_kv_heads_than_heads": ({"num_key_value_heads": 8}, "num_attention_heads=4 is not a multiple of "
@@ -283,7 +283,7 @@ def test_sampling_params_follow_the_config_rules(name, value):
         SamplingParams(**{name: value})
     assert str(from_api.value) == str(from_config.value).replace(f"config key '{key}'",
                                                                  f"SamplingParams.{name}")
-    if name == "temperature":  # as the docs quote it (it said "an integer or a number")
+    if name == "temperature":  # as the docs quote it: "a number", not "an integer or a number"
         assert str(from_api.value) == "SamplingParams.temperature must be a number, got '0.7' (str)"
 
 
@@ -306,8 +306,8 @@ def test_a_checkpoint_without_eos_is_warned_about(tmp_path, caplog):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_a_model_too_large_for_memory_is_one_start_up_error_naming_its_sizes(tmp_path, nproc):
-    """A vocab_size of 1e11 (or a model too large for the device) failed in the allocator with a traceback on
-    every rank and exit 1, config.json unnamed."""
+    """A model too large for the device (here a vocab_size of 1e11) is one start-up error naming config.json,
+    its sizes and what to do (the rank exits 2), not an allocator traceback on every rank."""
     from helpers import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "m")
     raw = json.loads((ckpt / "config.json").read_text())
@@ -345,7 +345,7 @@ def test_llm_says_which_keys_only_the_command_line_reads(tmp_path, caplog):
 
 
 def test_sampling_params_without_a_seed_take_the_llms():
-    """LLM(seed=5) with a SamplingParams that names no seed used to sample with seed 0."""
+    """A SamplingParams that names no seed samples with the LLM's seed (LLM(seed=5)), not with seed 0."""
     from tp_engine.llm import LLM
     from tp_engine.sampling.sampler import SamplingParams
     llm = LLM(model=str(DEMO), device="cpu", seed=5, sampling={"temperature": 1.0, "max_new_tokens": 12})
@@ -379,9 +379,9 @@ def test_generate_takes_one_prompt_and_stop_as_one_string():
 
 
 def test_stop_strings_keep_nothing_of_a_finished_request():
-    """The window of each request was kept by its id until the end of generate: memory for every request of
-    the job, and, once finished requests are freed, a new request with a finished one's id took its window
-    over."""
+    """The stop-string window of a request goes with the request: generate keeps none by id to its end, which
+    would hold memory for every request of the job, and a new request with a finished one's id would take its
+    window over."""
     import gc
     from transformers import AutoTokenizer
     from tp_engine.frontend.prompts import PromptEncoder
@@ -399,9 +399,9 @@ def test_stop_strings_keep_nothing_of_a_finished_request():
 
 
 def test_generate_runs_the_prompts_it_was_given_and_keeps_none_after_a_failed_call():
-    """Requests are made as the scheduler has room, so generate read the caller's list while it ran (a change
-    from on_finish changed what ran), and after a failed call the scheduler kept the half-read list to the
-    next."""
+    """Requests are made as the scheduler has room, yet generate runs the prompts it was given: a change to
+    the caller's list from on_finish changes nothing that runs, and after a failed call the scheduler keeps no
+    half-read list to the next."""
     import gc
     import weakref
     from tp_engine.llm import LLM
@@ -452,7 +452,7 @@ def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path, capsys):
 
 
 def test_yaml_merge_keys_are_read_and_unhashable_keys_refused(tmp_path, capsys):
-    conf = tmp_path / "run.yaml"  # `<<: *anchor` is plain YAML; the duplicate-key check used to refuse it
+    conf = tmp_path / "run.yaml"  # `<<: *anchor` is plain YAML, which the duplicate-key check lets through
     conf.write_text(f"model: {DEMO}\nprompts: [&p {{messages: [{{role: user, content: hi}}]}}, {{<<: *p}}]\n")
     first, second = build_config(str(conf))["prompts"]
     assert first == second == {"messages": [{"role": "user", "content": "hi"}]}
@@ -487,7 +487,7 @@ SECTION_CASES = {  # --set values (as YAML) -> the effective value, or the error
                                          "cannot set max_length, truncation: apply_chat_template's own "
                                          "arguments"),
     "resume_without_output": (["resume=true"], "config key 'resume' needs 'output'"),
-    # every prompt used to fail on it instead
+    # refused at start-up, not on every prompt
     "template_variable_not_a_string": (["chat_template_kwargs={1: x}"],
                                        "config key 'chat_template_kwargs' must have string keys"),
     # an empty output is a mistake (a shell variable left unset, say), not stdout; "-" is stdout, no file "-"
@@ -518,7 +518,7 @@ def test_config_structure_and_ranges(case):
 
 
 def test_a_config_without_model_says_it_is_required():
-    with pytest.raises(ConfigError) as err:  # the type check used to come first: "must be a string, got None"
+    with pytest.raises(ConfigError) as err:  # before the type check's "must be a string, got None"
         build_config(overrides=["prompts=[hi]"])
     assert str(err.value) == "config key 'model' is required: the checkpoint directory"
 
@@ -552,8 +552,9 @@ def test_results_file_is_left_alone_when_a_run_has_no_result(tmp_path):
 
 
 def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path, monkeypatch):
-    """A read-only output used to be replaced at the first result and the run then crashed on its appends; a
-    name too long for the files written beside it crashed there too; a trailing slash wrote a file."""
+    """An output that cannot be written (read-only), whose name is too long for the files written beside it,
+    or that ends in a slash is refused at start-up, before a run that would replace it at the first result and
+    then fail."""
     from tp_engine.frontend import output_file
     from tp_engine.frontend.output_file import check_target
     ro = tmp_path / "ro.jsonl"
@@ -575,7 +576,7 @@ def test_output_that_cannot_be_written_or_named_is_refused_at_start_up(tmp_path,
 
 def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_path, monkeypatch):
     """Every write goes through a temporary file and a rename in the output's folder: a writable output in a
-    folder the user may not write in was accepted, and the run failed at its first result with a traceback."""
+    folder the user may not write in (or may not create) is refused at start-up, not at the first result."""
     from tp_engine.frontend import output_file
     from tp_engine.frontend.output_file import check_target
     ro = tmp_path / "ro"
@@ -597,7 +598,7 @@ def test_an_output_folder_this_user_may_not_write_in_is_refused_at_start_up(tmp_
 
 def test_an_output_of_another_user_in_a_sticky_folder_is_refused_at_start_up(tmp_path, monkeypatch):
     """In a sticky folder such as /tmp only a file's owner may replace it: another user's output (or its
-    .run.json), though writable, was accepted, and the run failed at its first result."""
+    .run.json), though writable, is refused at start-up, not at the first result."""
     from tp_engine.frontend import output_file
     from tp_engine.frontend.output_file import check_target
     folder = tmp_path / "shared"
@@ -687,7 +688,7 @@ def interrupted(call, code, line, handler) -> bool:
 def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
     """The signal handler releases the output and exits. It can run in the main thread while that thread is
     inside release() (torchrun's SIGTERM after a rank died, as rank 0 ends): at any line of it, the handler's
-    release must finish the work without an error (it once closed the lock's descriptor a second time)."""
+    release finishes the work without an error, closing the lock's descriptor once."""
     from tp_engine.frontend import output_file
     lock = output_file.OutputLock(tmp_path / "dry" / "a" / "out.jsonl", "out.jsonl")
     lines = output_file_lines(lock.release)
@@ -706,8 +707,8 @@ def test_a_signal_inside_the_output_locks_release_still_releases_it(tmp_path):
 
 def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporary_file(tmp_path):
     """The output is rewritten in input order through a temporary file beside it. A signal in the middle (the
-    handler releases the output and exits) left that file behind, and one of a killed run stayed for good.
-    Both go now, others' files stay, and the output holds either its old lines or its new ones."""
+    handler releases the output and exits) leaves no such file, one left by a killed run goes when the next
+    run takes the lock, others' files stay, and the output holds either its old lines or its new ones."""
     from tp_engine.frontend import output_file
     target = tmp_path / "out.jsonl"
     old, new = b'{"index": 1}\n{"index": 0}\n', b'{"index": 0}\n{"index": 1}\n'
@@ -736,9 +737,9 @@ def test_a_signal_inside_a_rewrite_of_the_output_leaves_it_whole_and_no_temporar
 
 
 def test_a_result_that_could_not_be_written_is_not_said_to_be_kept(tmp_path, monkeypatch):
-    """When the first result's write failed, the message on stopping said that finished results were in the
-    output, which still held the earlier run's lines only; a result is counted as kept once it is in the
-    file."""
+    """A result is counted as kept once it is in the file: when the first result's write fails, the message on
+    stopping does not say that finished results are in the output, which holds the earlier run's lines
+    only."""
     from tp_engine.frontend import results
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "from": "an earlier run"}\n')
@@ -820,8 +821,8 @@ def test_streamed_text_stops_before_a_stop_string():
 
 @pytest.mark.slow
 def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
-    """With a thinking chat template the finished stream was decoded anew, uncut: it showed the stop
-    string."""
+    """With a thinking chat template the finished stream is cut before the stop string too, not decoded anew
+    with it."""
     cfg = {"model": str(DEMO), "chat": True, "stream": True,
            "prompts": ["Alice was beginning to get very tired"],
            "sampling": {"max_new_tokens": 12, "stop": ["e"]}}
@@ -833,8 +834,8 @@ def test_streamed_chat_text_stops_before_a_stop_string(tmp_path):
 
 @pytest.mark.slow
 def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp_path):
-    """`stream: true | head -c 20`: the closed pipe raised BrokenPipeError on rank 0, the run failed (exit 1)
-    and `output` was never written."""
+    """`stream: true | head -c 20`: the closed pipe ends the stream on rank 0 without a BrokenPipeError, the
+    run goes on to exit 0, and `output` is written."""
     import shlex
     import subprocess
     import sys
@@ -859,8 +860,8 @@ def test_a_stream_piped_into_head_ends_quietly_and_the_run_writes_its_output(tmp
 
 @pytest.mark.slow
 def test_a_flat_list_of_numbers_in_prompts_is_three_bad_prompts(tmp_path):
-    """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line; the command line
-    used to fail at start-up with an internal error (the API reads such a list as one prompt of token ids)."""
+    """`prompts: [5, 6, 7]` is three items, as the docs say, each refused on its own line, not an internal
+    error at start-up (the API reads such a list as one prompt of token ids)."""
     proc, lines = run_cli({"model": str(DEMO), "prompts": [5, 6, 7]}, tmp_path)
     assert "encoded holds" not in proc.stderr, proc.stderr[-2000:]
     assert [(line["index"], line["finish_reason"]) for line in lines] == \
@@ -908,8 +909,9 @@ def _stop_hits(tok, model_dir, ids: list[int], stop: list[str]) -> tuple[list[bo
 
 
 def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
-    """The look-back window for stop strings counts tokens; special tokens decode to nothing, so a run of them
-    between a stop string's characters pushed its start out of the window and the stop was missed."""
+    """The look-back window for stop strings counts the tokens that decode to text: special tokens decode to
+    nothing, and a run of them between a stop string's characters does not push its start out of the
+    window."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     special = tok.all_special_ids[0]
@@ -921,8 +923,8 @@ def test_a_stop_string_with_special_tokens_between_its_characters_is_found():
 
 def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found(tmp_path):
     """decode also skips added tokens marked special in tokenizer.json that the tokenizer does not list among
-    its special tokens (Qwen3's <|fim_prefix|> and five more): the window counted them as text and missed the
-    stop."""
+    its special tokens (Qwen3's <|fim_prefix|> and five more): the window does not count them as text, and the
+    stop is found."""
     import shutil
     from transformers import AutoTokenizer
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -942,8 +944,9 @@ def test_a_stop_string_with_added_special_tokens_between_its_characters_is_found
 
 
 def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_found():
-    """Qwen3's embedding has 151,936 rows for 151,669 tokens: the ids past the tokenizer's decode to nothing,
-    and the window counted them as text and missed the stop (a random-weight model samples them)."""
+    """Qwen3's embedding has 151,936 rows for 151,669 tokens, and a random-weight model samples the ids past
+    the tokenizer's, which decode to nothing: the window does not count them as text, and the stop is
+    found."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(DEMO))
     past = [len(tok) + i for i in range(13)]
@@ -954,9 +957,9 @@ def test_a_stop_string_with_ids_past_the_tokenizer_between_its_characters_is_fou
 
 
 def test_a_stop_string_that_is_a_special_tokens_text_ends_at_that_token(tmp_path):
-    """Decoding skips special tokens, so a stop string such as `<|im_end|>` could never show in the text: the
-    request ran on to max_new_tokens. It ends at that token (output_token_ids hold it), the text cut before
-    it."""
+    """Decoding skips special tokens, so a stop string such as `<|im_end|>` never shows in the text: the
+    request ends at that token (output_token_ids hold it) rather than running on to max_new_tokens, the text
+    cut before it."""
     import shutil
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
@@ -983,8 +986,9 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_at_that_token(tmp_path
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
-    """Stop strings are found in the decoded text: a checkpoint without tokenizer files used to end the run
-    with a TypeError from inside the generation loop (the LLM) after the weights loaded."""
+    """Stop strings are found in the decoded text: with a checkpoint without tokenizer files the run is
+    refused by name, its output left as it was, not ended by a TypeError from inside the generation loop; the
+    API refuses them in generate() and runs on without them."""
     from helpers import make_checkpoint
     from tp_engine.llm import LLM
     from tp_engine.sampling.sampler import SamplingParams
@@ -1005,9 +1009,9 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tmp_path):
 
 
 def test_stop_strings_decode_a_bounded_window_after_a_long_run_of_special_tokens():
-    """The look-back window walked back to the first output token when the output ended in special tokens
-    (ignore_eos with the model repeating EOS): each step decoded the whole output, O(length**2) per
-    request."""
+    """When the output ends in a long run of special tokens (ignore_eos with the model repeating EOS), the
+    look-back window stays bounded instead of walking back to the first output token: a step decodes a few
+    tokens, not the whole output (O(length**2) per request)."""
     from transformers import AutoTokenizer
     from tp_engine.frontend.prompts import PromptEncoder
     from tp_engine.frontend.stop_strings import StopStrings

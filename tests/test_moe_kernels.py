@@ -207,9 +207,9 @@ LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 @pytest.mark.filterwarnings("ignore")
 def test_fp8_down_gemv_loads_its_weights_before_the_loops_barrier():
     """With FP8 experts the down GEMV scales the activations through shared memory, behind a barrier. No load
-    can cross a barrier: weights loaded after it waited each iteration for the activations' round trip to the
-    L2 cache. Every tile issues the whole tile's loads (k experts' BN x BK weight bytes and their activations)
-    before the loop's first barrier."""
+    can cross a barrier, and weights loaded after it would wait each iteration for the activations' round trip
+    to the L2 cache: every tile issues the whole tile's loads (k experts' BN x BK weight bytes and their
+    activations) before the loop's first barrier."""
     from tp_engine.kernels import moe
 
     types = {"act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32", "wts_ptr": "*bf16",

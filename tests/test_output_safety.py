@@ -170,8 +170,8 @@ def test_run_that_fails_before_its_first_result_leaves_the_output_alone(ckpt, tm
 
 @pytest.mark.slow
 def test_a_run_refused_at_start_up_leaves_no_folder_it_made(ckpt, tmp_path):
-    """The folders of an output path that did not exist were made before the model was checked, and stayed
-    when the run was refused (exit 2 promises that nothing changed). A folder that was already there stays."""
+    """A run refused at start-up leaves no folder it made for the output path (exit 2 promises that nothing
+    changed), and a folder that was already there stays; a run that writes keeps them."""
     (tmp_path / "runs").mkdir()
     out = tmp_path / "runs" / "new" / "deeper" / "out.jsonl"
     proc, _ = run_cli(base(ckpt, output=str(out), max_model_len=10 ** 6), tmp_path, read_output=False)
@@ -200,8 +200,8 @@ sys.exit(main())
 @pytest.mark.parametrize("action", ["os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)",
                                     "raise RuntimeError('injected fault')"])
 def test_a_run_stopped_before_its_first_result_leaves_no_folder_it_made(ckpt, tmp_path, action):
-    """A signal or a failure ended the run at once, with the lock file and the folders made for the output
-    left behind, although no result had been written."""
+    """A signal or a failure that ends the run before its first result leaves neither the lock file nor the
+    folders made for the output behind."""
     (tmp_path / "runs").mkdir()
     out = tmp_path / "runs" / "new" / "out.jsonl"
     script = tmp_path / "stopped.py"
@@ -282,8 +282,8 @@ def test_ctrl_c_without_output_prints_the_finished_results(ckpt, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_while_the_results_are_printed_lets_them_finish(ckpt, tmp_path):
     """Rank 0 prints the results to stdout at the end; a Ctrl-C then (here while a reader has not yet drained
-    the pipe) used to print them all again from the signal handler: lines twice, one cut and glued to the
-    next."""
+    the pipe) lets that printing finish: every line once and whole, none printed again from the signal
+    handler."""
     cfg = long_cfg(ckpt, None, n=40, max_new_tokens=8)
     cfg["sampling"]["logprobs"] = 20  # about 4 KB a line: more than a pipe holds
     log = tmp_path / "stderr.txt"
@@ -318,8 +318,8 @@ signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def test_results_printed_to_a_pipe_stay_whole_when_signals_interrupt_the_writes():
-    """With PYTHONUNBUFFERED=1 (common in job scripts), a write to a full pipe that a signal cut short lost
-    the rest of its line: the Ctrl-C test above failed on a busy machine with a line cut in two."""
+    """With PYTHONUNBUFFERED=1 (common in job scripts), a write to a full pipe that a signal cuts short goes
+    on with the rest of its line: every line arrives whole, in order."""
     proc = subprocess.Popen([sys.executable, "-c", PRINTER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     chunks = []
@@ -333,8 +333,8 @@ def test_results_printed_to_a_pipe_stay_whole_when_signals_interrupt_the_writes(
 
 @pytest.mark.slow
 def test_rank0_keeps_no_output_tokens_once_they_are_written(ckpt, tmp_path, monkeypatch):
-    """Each finished output stayed in memory to the end of the job (the output list, the result sink, the
-    requests), about 45 bytes a token: a million prompts of 2k tokens would not fit in rank 0's memory."""
+    """A finished output is not kept once written (in an output list, the result sink or the requests): at
+    about 45 bytes a token, a million prompts of 2k tokens would not fit in rank 0's memory."""
     import tracemalloc
 
     from tp_engine.frontend import results
@@ -384,8 +384,8 @@ print("went on", file=sys.stderr)
 
 
 def test_a_signal_just_after_the_results_were_printed_still_stops_the_job():
-    """A signal taken as "late" (come while the results printed) after run() had looked for one was dropped:
-    the job went on and exited 0, and the Ctrl-C test above failed that way about one run in three."""
+    """A signal taken as "late" (come while the results printed) after run() has looked for one still stops
+    the job with its status, rather than being dropped and the job exiting 0."""
     proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
@@ -412,8 +412,8 @@ runpy.run_path({generate!r}, run_name="__main__")
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_before_the_run_started_is_one_line(ckpt, tmp_path, sig):
-    """Before main() set up its handlers, a Ctrl-C printed a KeyboardInterrupt traceback on every rank, and a
-    SIGTERM ended the rank without a word."""
+    """A Ctrl-C or SIGTERM before main() has set up its handlers ends the rank with one line and the signal's
+    status: no KeyboardInterrupt traceback, no silent end, nothing written."""
     conf = tmp_path / "run.yaml"
     conf.write_text(yaml.safe_dump(base(ckpt, output=str(tmp_path / "out.jsonl"))))
     script = EARLY_SIGNAL.format(sig=sig, conf=str(conf), generate=str(GENERATE))
@@ -449,8 +449,8 @@ cli.main([])
 
 def test_a_signal_while_a_rank_fails_does_not_hide_why():
     """A rank that fails says why and where the finished results are, then exits. torchrun's SIGTERM, sent as
-    the failure reached it, ran the signal handler in the middle of that: its exit replaced the failure's
-    message, and once it closed the output lock a second time and ended in a traceback instead."""
+    the failure reaches it, runs the signal handler in the middle of that: the failure's message and status
+    stay, with no traceback from closing the output lock twice."""
     proc = subprocess.run([sys.executable, "-c", FAILING_RANK], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -470,7 +470,8 @@ def test_a_failure_after_the_results_were_printed_does_not_say_a_line_may_be_cut
 
 
 def test_results_printed_to_a_stdout_without_a_file_are_flushed(monkeypatch):
-    """The signal handler leaves with os._exit: lines left in stdout's buffer were lost."""
+    """The signal handler leaves with os._exit, so the printed lines are flushed as they are written, not left
+    in stdout's buffer."""
     import io
     from tp_engine.frontend.results import print_lines
     raw = io.BytesIO()
@@ -549,9 +550,9 @@ def test_error_lines_are_retried_on_resume_and_set_the_exit_status(ckpt, tmp_pat
 
 def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_the_request_limit(
         ckpt, tmp_path):
-    """A last line without its newline was dropped unread: another tool's file was then replaced silently. A
-    line that ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with
-    another pool changes: it runs again. Replacing the weights in place changes `run`."""
+    """A last line without its newline is read, so another tool's file is not replaced silently. A line that
+    ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with another
+    pool changes: it runs again. Replacing the weights in place changes `run`."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings
 
@@ -580,8 +581,8 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
 
 
 def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
-    """On a terminal with no output file, only `text` was shown: the thinking of a chat model was lost, all of
-    it when max_new_tokens cut inside it (the answer then empty)."""
+    """On a terminal with no output file, the thinking of a chat model is shown before its `text`, also when
+    max_new_tokens cut inside it (the answer then empty)."""
     from tp_engine.frontend.results import ResultSink
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
@@ -599,7 +600,8 @@ def test_a_terminal_shows_the_thinking_before_the_answer(monkeypatch, capsys):
 
 
 def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_path):
-    """A hand-edited line with `output_token_ids` a number raised TypeError (a traceback, no line named)."""
+    """A hand-edited line with `output_token_ids` a number is refused naming the line, not with a TypeError
+    traceback."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings
 
@@ -614,7 +616,8 @@ def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_p
 
 
 def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
-    """It showed the weight files' raw [name, size, mtime_ns] lists, and `logprobs=null` for logprobs off."""
+    """A refused resume says what changed in words (weights written again, the same size; logprobs 0, now 2),
+    not with the weight files' raw [name, size, mtime_ns] lists or `logprobs=null`."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
 
@@ -641,9 +644,9 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
 
 
 def test_fp8_activations_change_the_run(ckpt, tmp_path):
-    """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only),
-    but resume took its lines for weight_only ones. The default adds nothing to the record (older lines keep
-    `run`), nor does the key for a model without FP8 weights, whose tokens it cannot change."""
+    """advanced.fp8_gemm w8a8 rounds the activations of FP8 matmuls to fp8 (other tokens than weight_only), so
+    resume refuses weight_only lines for it. The default adds nothing to the record (older lines keep `run`),
+    nor does the key for a model without FP8 weights, whose tokens it cannot change."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
 

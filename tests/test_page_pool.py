@@ -200,8 +200,8 @@ def test_step_message_size_does_not_grow_with_context():
 
 
 def test_clear_recovers_pages_from_an_alloc_cut_short():
-    """After an exception inside a step (Ctrl-C at TP 1, where the engine runs on), the pool is cleared. A
-    page popped from the free list before its count was set (an alloc cut short) was lost for good."""
+    """After an exception inside a step (Ctrl-C at TP 1, where the engine runs on), the pool is cleared: a
+    page popped from the free list before its count was set (an alloc cut short) is free again."""
     pool = PagePool(4, 2)
     pool.register(pool.alloc(1)[0], page_key(ROOT_KEY, [1, 2]))
     pool.free.pop()  # cut between taking the page and counting its reference

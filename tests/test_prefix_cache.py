@@ -84,8 +84,8 @@ def test_small_pool_evicts_and_preempts(ckpt, reference):
 
 
 def test_max_batch_size_beyond_the_pool_runs(ckpt, reference):
-    """Every running request holds a page, so at most 16 of 16 pages run; a max_batch_size of 10**12 used to
-    try to allocate per-request buffers of that size."""
+    """Every running request holds a page, so at most 16 of 16 pages run: a max_batch_size of 10**12 is capped
+    there, with no per-request buffers of that size, and the tokens are transformers'."""
     llm = LLM(model=str(ckpt), device="cpu", kv_cache={"page_size": 4, "num_pages": 16},
               max_batch_size=10**12)
     assert llm.engine.max_batch == 16

@@ -112,7 +112,7 @@ def test_split_reasoning_rules():
         ("what <think> means", "A tag.")
     assert split_reasoning("what <think> means", open_think=True) == ("what <think> means", "")
     assert split_reasoning("<think>\nwhat <think> is</think>ok") == ("what <think> is", "ok")
-    # blanks alone after the block are no answer (they were kept as indentation)
+    # blanks alone after the block are no answer, not indentation to keep
     assert split_reasoning("<think>A</think>\n\n  ") == ("A", "")
     assert split_reasoning("<think>A</think> \n ") == ("A", "")
 
@@ -131,8 +131,8 @@ def test_only_the_generation_prompt_opens_thinking():
 
 def test_think_tags_that_decoding_skips_do_not_split(tmp_path):
     """Added tokens marked special in tokenizer.json are dropped by decoding even when the tokenizer does not
-    list them among its special tokens: with such <think> tags the text has no tags to split at, and a prompt
-    that opened a block made the whole answer `reasoning`, leaving `text` empty."""
+    list them among its special tokens: such <think> tags give no tags to split at (think_tags is None), so an
+    answer is never all `reasoning` with `text` empty."""
     import json
 
     from transformers import AutoTokenizer

@@ -161,7 +161,8 @@ def test_generation_config_defaults_decide_the_tokens(ckpt, tmp_path):
 
 def test_generation_config_fields_the_engine_does_not_apply_are_named(ckpt, tmp_path):
     """A repetition_penalty (Qwen2.5's files set 1.05), a min_new_tokens or a suppress_tokens changes
-    transformers' tokens, greedy ones too; the engine does not apply them and said nothing of the last two."""
+    transformers' tokens, greedy ones too; the engine does not apply them, so the warning names each of them
+    that is set."""
     cases = [({**QWEN3, "repetition_penalty": 1.05, "min_p": 0.05},
               "sets repetition_penalty 1.05, min_p 0.05"),
              ({"do_sample": False, "repetition_penalty": 1.05, "min_p": 0.05},

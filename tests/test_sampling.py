@@ -143,8 +143,9 @@ def test_token_logprobs_match_log_softmax():
 
 
 def test_noise_at_the_top_hash_value_is_finite_and_masked_tokens_never_win():
-    """One token in 2**24 hashes to the top 24-bit value, whose uniform once rounded to 1.0: infinite noise,
-    so a token outside top-k (NaN) or any token in a temperature-only row won regardless of its logit."""
+    """One token in 2**24 hashes to the top 24-bit value, whose uniform must stay below 1.0: rounded to 1.0 it
+    gives infinite noise, and a token outside top-k (NaN) or any token in a temperature-only row would win
+    regardless of its logit."""
     vocab = 1 << 17
     for seed in range(400):
         u = uniform_noise(torch.tensor([seed]), torch.tensor([0]), vocab)
@@ -164,7 +165,8 @@ def test_noise_at_the_top_hash_value_is_finite_and_masked_tokens_never_win():
 
 def test_a_tiny_temperature_is_greedy():
     """Temperatures far below any useful one draw the arg-max on every path (plain, few and many top-k
-    candidates, top-p alone); at 1e-38 logits / temperature used to overflow to +inf and the lowest id won."""
+    candidates, top-p alone): at 1e-38, logits / temperature must not overflow to +inf and let the lowest id
+    win."""
     gen = torch.Generator().manual_seed(5)
     vocab = 300
     logits = torch.randn(8, vocab, generator=gen) * 3 + 5  # mostly positive, so overflow would show
@@ -176,10 +178,9 @@ def test_a_tiny_temperature_is_greedy():
 
 
 def test_extreme_temperature_and_top_p_keep_the_most_likely_tokens():
-    """Both are checked as float64 but applied in fp32: a top_p under 1e-45 became 0 and dropped every token
-    (the draw gave id 0), and a temperature over 3.4e38 became inf, so every logit / temperature was 0 and
-    top-k kept the lowest ids. A tiny top_p keeps the most likely token alone; a huge temperature draws among
-    the top k."""
+    """Both are checked as float64 but applied in fp32, where a top_p under 1e-45 is 0 (dropping every token)
+    and a temperature over 3.4e38 is inf (every logit / temperature 0): a tiny top_p keeps the most likely
+    token alone, and a huge temperature draws among the top k, not the lowest ids."""
     gen = torch.Generator().manual_seed(6)
     vocab = 300
     logits = torch.randn(8, vocab, generator=gen)
@@ -195,9 +196,9 @@ def test_extreme_temperature_and_top_p_keep_the_most_likely_tokens():
 
 
 def test_a_nan_logit_is_what_every_draw_picks_as_greedy_does():
-    """A NaN logit (a model whose numbers blew up) made the top-k and top-p draws return the id `vocab`, one
-    past the vocabulary: fed back as the next input, and token_logprobs raised on it. Every draw now picks the
-    first NaN, as torch.argmax does for greedy, whatever the NaN's sign bit."""
+    """A NaN logit (a model whose numbers blew up): every draw picks the first NaN, as torch.argmax does for
+    greedy, whatever the NaN's sign bit, and never the id `vocab`, one past the vocabulary, which would be fed
+    back as the next input."""
     from tp_engine.sampling.sampler import TOPK_MAX_K
     vocab = 2 * TOPK_MAX_K + 50
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
