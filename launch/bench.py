@@ -670,7 +670,7 @@ def bench_long_prompt(engine: Engine, args, res: dict) -> None:
                           "decode_tokens_while_prefilling": len(gaps),
                           "decode_tpot_ms_p50_otherwise": round(pct(steady, 50) * 1e3, 3),
                           "p99_while_prefilling_over_p50": round(pct(gaps, 99) / pct(steady, 50), 2)}
-    engine.cfg["max_prefill_tokens"] = cfg["max_prefill_tokens"]
+    engine.cfg["max_prefill_tokens"] = chunk  # the other workloads' steps, as configured
     engine.cfg["max_prefill_cost_while_decoding"] = cost
     if engine.tp.is_first:
         res["long_prompt"] = {"long_len": args.long_len, "decoders": args.long_decoders, **out}
@@ -833,6 +833,7 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         cfg["cuda_graph"] = False
         t0 = time.perf_counter()
         engine = Engine(cfg)
+    engine.cfg["max_prefill_tokens"] = args.long_chunk  # the other workloads' steps, as configured
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["load_s"] = round(engine.load_seconds, 2)
     wb = engine.weight_bytes()
