@@ -12,7 +12,7 @@ import torch
 CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not set
 
 
-def budget_pages(kvc: dict, per_page: int, most: int) -> int:
+def budget_pages(per_page: int, most: int) -> int:
     """The pages of a CPU rank's default pool, its scratch page counted: CPU_KV_BYTES, and at most `most` (what
     max_batch_size requests of full length could use). On CUDA, memory_plan.py sizes the pool."""
     return min(CPU_KV_BYTES // per_page - 1, most)
@@ -67,7 +67,7 @@ def page_table(batch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
     indptr [B + 1]: request i's pages are ids[indptr[i]:indptr[i + 1]]; ids: the pages that hold each
     request's `seq_lens[i]` tokens, in order, requests one after the other; last [B]: tokens in each
-    request's last page. `batch` is a context.Batch: `seq_lens`, and `page_tables`, each request's pages
+    request's last page. `batch` is a batch.Batch: `seq_lens`, and `page_tables`, each request's pages
     (arrays or lists, which may hold more pages than its tokens need)."""
     seq = np.asarray(batch.seq_lens, dtype=np.int32)
     npages = (seq + page_size - 1) // page_size

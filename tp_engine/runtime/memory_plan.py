@@ -68,7 +68,7 @@ def num_pages(engine, per_page: int, graph_tokens: int, graph_batch: int) -> tup
         return kvc["num_pages"], plan
     if engine.device.type != "cuda":
         most = cfg["max_batch_size"] * pages_for(engine.max_model_len, kvc["page_size"])
-        n = comm.all_reduce_min(budget_pages(kvc, per_page, most), engine.tp)
+        n = comm.all_reduce_min(budget_pages(per_page, most), engine.tp)
         check_pool(n, kvc, per_page)
     else:
         plan = measure(engine, graph_tokens, graph_batch)
