@@ -22,7 +22,9 @@ REQUESTS = 2400
 # under 0.1 MiB with 1, 3 or 4 torch threads and by 0.6 MiB with 2 (once, at the same request every run).
 # Keeping every finished request's output dict adds 7.4 MiB, every finished Request 8.2 MiB, every step's
 # sampled tokens (a tensor of a few ids) 3.5 MiB.
-RSS_BOUND = 2 << 20
+# A clean CI run has also shown 2.3 MiB of growth with no leak (the allocator's arenas), so the bound sits
+# between that and the smallest leak above.
+RSS_BOUND = 3 << 20
 
 
 @pytest.mark.slow
