@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Callable, Iterable
 
 import torch
 
 from tp_engine import comm, kernels
-from tp_engine.attention import check_backend, fuses_qkv, make_backend
+from tp_engine.attention import fuses_qkv, make_backend
 from tp_engine.base.config import fingerprint
 from tp_engine.base.batch import Batch, forward_context
 from tp_engine.attention.kv_cache import KVCache
-from tp_engine.runtime.memory_plan import gib, graph_oom, is_oom, num_pages, step_oom
+from tp_engine.runtime.memory_plan import is_oom, num_pages, step_oom
 from tp_engine.layers.fp8 import settle_experts
-from tp_engine.checkpoint.model_config import ModelConfig
-from tp_engine.models import compute_dtype, load_model
+from tp_engine.runtime.engine_setup import agree_on_kernels, capture_graphs, graphs_wanted, setup_model
 from tp_engine.runtime.page_pool import PagePool
 from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.runtime.request import RequestOutput
@@ -52,104 +50,57 @@ class Engine:
                 error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)  # every rank learns rank 0's verdict
         try:
-            self._setup_model()
-            ops = kernels.select(device, cfg["advanced"]["fused_kernels"], fp8=self.model_cfg.quant is not None)
-        except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported by check_startup
+            setup_model(self)
+            fp8 = self.model_cfg.quant is not None
+            ops = kernels.select(device, cfg["advanced"]["fused_kernels"], fp8=fp8)
+        except (ValueError, OSError) as e:  # config.json, TP split, dtype, checkpoint: reported below
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
-        self.ops = self._agree_on_kernels(ops)  # this engine's fused kernels, handed to whatever runs them
+        # this engine's fused kernels, handed to whatever runs them
+        self.ops = agree_on_kernels(self, ops)
         self.model.bind(self.ops, fuses_qkv(cfg["attention_backend"], device, self.ops))
         settle_experts(self.model, self.ops is not None)  # FP8 experts: fp8 or dequantized
         # the all-reduce of small messages on this engine's group, the same with CUDA graphs or without
-        self.all_reduce_kind = comm.enable_fast_all_reduce(self.tp, self.dtype, self.ops is not None,
-                                                           cfg["advanced"]["all_reduce"], cfg["timeout_s"])
+        self.all_reduce_kind = comm.enable_fast_all_reduce(
+            self.tp, self.dtype, self.ops is not None, cfg["advanced"]["all_reduce"], cfg["timeout_s"])
         mc = self.model_cfg
 
         page_size = cfg["kv_cache"]["page_size"]
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         self.kv_heads_local = qkv.kv_heads
         self.step_tokens = cfg["max_prefill_tokens"]  # the largest step, as the memory plan measured it
-        graphs = self._graphs_wanted()
-        graph_tokens = min(cfg["cuda_graph_max_tokens"], cfg["max_prefill_tokens"]) if graphs and \
-            self.tp.size == 1 else 0  # piecewise_graph.py: TP 1 only
+        graphs = graphs_wanted(self)
+        graph_tokens = 0  # piecewise_graph.py: TP 1 only
+        if graphs and self.tp.size == 1:
+            graph_tokens = min(cfg["cuda_graph_max_tokens"], cfg["max_prefill_tokens"])
         graph_batch = min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]) if graphs else 0
         per_page = KVCache.bytes_per_page(mc.num_layers, page_size, qkv.kv_heads, mc.head_dim, self.dtype)
         try:  # raises only past num_pages' collective, which no rank then misses: check_startup agrees
             pages, self.memory = num_pages(self, per_page, graph_tokens, graph_batch)
-            self.kv = KVCache(mc.num_layers, pages, page_size, qkv.kv_heads, mc.head_dim, self.dtype, device)
+            self.kv = KVCache(mc.num_layers, pages, page_size, qkv.kv_heads, mc.head_dim,
+                              self.dtype, device)
         except ValueError as e:  # no room for a page, or no memory for the pages asked for
             error = e
         comm.check_startup(error, fingerprint(cfg), self.tp)
         self.max_batch = min(cfg["max_batch_size"], self.kv.num_pages)  # each running request holds a page
-        self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads, num_kv_heads=qkv.kv_heads,
-                                 head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
-                                 max_batch=self.max_batch, num_pages=self.kv.num_pages, ops=self.ops)
+        self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads,
+                                 num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=page_size,
+                                 dtype=self.dtype, max_batch=self.max_batch,
+                                 num_pages=self.kv.num_pages, ops=self.ops)
         # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
         self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.tables = PageTables()  # every running request's pages, kept in step by the step messages
         # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
-        self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"]) if self.tp.is_first else None
+        self.pool = None
+        if self.tp.is_first:
+            self.pool = PagePool(self.kv.num_pages, page_size, cfg["prefix_cache"])
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.graph_bytes = 0  # what their memory pools hold
         self.sched: Scheduler | None = None  # the latest run's
         if graphs:
-            self._capture_graphs()
+            capture_graphs(self)
 
-    # ---- set-up ----
-
-    def _setup_model(self) -> None:
-        cfg, device = self.cfg, self.device
-        self.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
-        mc.check_tp(self.tp.size)
-        self.dtype = compute_dtype(cfg["dtype"], mc, device)
-        self.max_model_len = cfg["max_model_len"] or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} is larger than the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
-        check_backend(cfg["attention_backend"], device)
-        t0 = time.perf_counter()
-        try:
-            self.model = load_model(mc, cfg, self.dtype, device, self.tp.rank)
-        except RuntimeError as e:  # torch.OutOfMemoryError too: config.json's sizes, or a device too small
-            if "alloc" not in str(e):
-                raise
-            raise ValueError(f"{cfg['model']}/config.json: {mc.too_big(e, device, self.tp.size, self.dtype.itemsize)}") \
-                from None
-        self.load_seconds = time.perf_counter() - t0
-
-    def _agree_on_kernels(self, ops):
-        """This rank's kernels (kernels.select) if every rank can run them, else None (the push all-reduce
-        needs them on all)."""
-        if self.device.type == "cuda" and not comm.all_reduce_min(int(ops is not None), self.tp):
-            if ops is not None:
-                log.warning("fused Triton kernels disabled on rank %d: another rank cannot use them", self.tp.rank)
-            return None
-        return ops
-
-    def _graphs_wanted(self) -> bool:
-        """Whether this engine captures CUDA graphs (decode steps; prompt steps too at TP 1)."""
-        cfg = self.cfg
-        if self.device.type != "cuda" or not cfg["cuda_graph"] or cfg["attention_backend"] == "torch":
-            return False
-        if self.model_cfg.moe is not None and self.ops is None:
-            log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")  # moe.py
-            return False
-        return True
-
-    def _capture_graphs(self) -> None:
-        """The decode graphs and the prompt-step pieces; out of memory here is named, with what to lower."""
-        from tp_engine.runtime.cuda_graph import GraphRunner
-        from tp_engine.runtime.piecewise_graph import piecewise_graphs
-        before = torch.cuda.memory_reserved(self.device)
-        try:
-            self.graphs = GraphRunner(self, min(self.cfg["cuda_graph_max_batch"], self.max_batch))
-            self.pieces = piecewise_graphs(self)
-        except torch.cuda.OutOfMemoryError as e:  # this rank leaves at once: the others may wait in a collective
-            raise comm.StartupError(graph_oom(self, e)) from None
-        torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the capture stream alone
-        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
-        if self.tp.is_first:
-            log.info("CUDA graphs hold %s", gib(self.graph_bytes))
+    # ---- what the engine holds ----
 
     @property
     def max_request_len(self) -> int:
@@ -170,12 +121,14 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
-            return self.graphs.run(batch)  # one copy into the graph's inputs; the references resolved inside
+            # one copy into the graph's inputs; the references resolved inside
+            return self.graphs.run(batch)
         batch = on_device(batch, self.device)  # decode_message's token rows are on the host
         if lead := batch.decode_rows:  # the references to the previous step's tokens are in these rows
             resolve(batch.input_ids[:lead], self.last_tokens, ops=self.ops)  # in place
         if self.pieces is not None and self.pieces.can_run(batch):
-            self.attn.prepare(batch, self.pieces.decode_capacity)  # short decode rows attend inside the pieces
+            # short decode rows attend inside the pieces
+            self.attn.prepare(batch, self.pieces.decode_capacity)
             return self.pieces.run(batch)
         self.attn.prepare(batch)
         try:
@@ -206,8 +159,9 @@ class Engine:
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise RuntimeError(f"this engine cannot run again: an earlier call failed inside a step the ranks share "
-                               f"({self.broken}), so the ranks may be out of step; start a new job")
+            raise RuntimeError(f"this engine cannot run again: an earlier call failed inside a step the "
+                               f"ranks share ({self.broken}), so the ranks may be out of step; "
+                               "start a new job")
 
     @contextlib.contextmanager
     def _shared_step(self):
@@ -216,7 +170,8 @@ class Engine:
             yield
         except BaseException as e:  # a lone rank (TP 1) cannot be out of step: its next run starts afresh
             if self.tp.size > 1:
-                self.broken = self.broken or comm.mark_out_of_step(f"rank {self.tp.rank}: {type(e).__name__}: {e}")
+                self.broken = self.broken or comm.mark_out_of_step(
+                    f"rank {self.tp.rank}: {type(e).__name__}: {e}")
             raise
 
     # ---- the generation loop, on rank 0 ----
@@ -231,7 +186,8 @@ class Engine:
                          self.model_cfg.eos_token_ids, self.cfg["max_prefill_cost_while_decoding"],
                          self.model_cfg.attention_span)
 
-    def run(self, requests: Iterable[RequestOutput], on_token: Callable[[RequestOutput], bool] | None = None,
+    def run(self, requests: Iterable[RequestOutput],
+            on_token: Callable[[RequestOutput], bool] | None = None,
             on_finish: Callable[[RequestOutput], None] | None = None) -> None:
         """Rank 0: generate for all requests, calling `on_finish` as each completes; then release the others.
         The scheduler takes `requests` as it has room for them: a generator makes each only then.
@@ -245,7 +201,8 @@ class Engine:
             while sched.has_work():
                 plan = sched.schedule()
                 if not plan.reqs and inflight is None:
-                    raise RuntimeError("scheduler found no step to run")  # a bug, not a user error: never spin
+                    # a bug, not a user error: never spin
+                    raise RuntimeError("scheduler found no step to run")
                 issued = None
                 if plan.reqs:
                     with self._shared_step():

@@ -1,0 +1,78 @@
+"""An engine's start-up steps (Engine.__init__ runs them): load the model, agree on the fused kernels,
+decide on and capture the CUDA graphs."""
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import torch
+
+from tp_engine import comm
+from tp_engine.attention import check_backend
+from tp_engine.checkpoint.model_config import ModelConfig
+from tp_engine.models import compute_dtype, load_model
+from tp_engine.runtime.memory_plan import gib, graph_oom
+
+log = logging.getLogger("tp_engine")
+
+
+def setup_model(engine) -> None:
+    """Read config.json, check it against the TP size and the config, and load this rank's weights."""
+    cfg, device = engine.cfg, engine.device
+    engine.model_cfg = mc = ModelConfig.from_dir(cfg["model"])
+    mc.check_tp(engine.tp.size)
+    engine.dtype = compute_dtype(cfg["dtype"], mc, device)
+    engine.max_model_len = cfg["max_model_len"] or mc.max_position_embeddings
+    if engine.max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len {engine.max_model_len} is larger than the model's "
+                         f"max_position_embeddings {mc.max_position_embeddings}")
+    check_backend(cfg["attention_backend"], device)
+    t0 = time.perf_counter()
+    try:
+        engine.model = load_model(mc, cfg, engine.dtype, device, engine.tp.rank)
+    except RuntimeError as e:  # torch.OutOfMemoryError too: config.json's sizes, or a device too small
+        if "alloc" not in str(e):
+            raise
+        too_big = mc.too_big(e, device, engine.tp.size, engine.dtype.itemsize)
+        raise ValueError(f"{cfg['model']}/config.json: {too_big}") from None
+    engine.load_seconds = time.perf_counter() - t0
+
+
+def agree_on_kernels(engine, ops: SimpleNamespace | None) -> SimpleNamespace | None:
+    """This rank's kernels (kernels.select) if every rank can run them, else None (the push all-reduce
+    needs them on all)."""
+    if engine.device.type == "cuda" and not comm.all_reduce_min(int(ops is not None), engine.tp):
+        if ops is not None:
+            log.warning("fused Triton kernels disabled on rank %d: another rank cannot use them",
+                        engine.tp.rank)
+        return None
+    return ops
+
+
+def graphs_wanted(engine) -> bool:
+    """Whether the engine captures CUDA graphs (decode steps; prompt steps too at TP 1)."""
+    cfg = engine.cfg
+    if engine.device.type != "cuda" or not cfg["cuda_graph"] or cfg["attention_backend"] == "torch":
+        return False
+    if engine.model_cfg.moe is not None and engine.ops is None:
+        # see moe.py
+        log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")
+        return False
+    return True
+
+
+def capture_graphs(engine) -> None:
+    """The decode graphs and the prompt-step pieces; out of memory here is named, with what to lower."""
+    from tp_engine.runtime.cuda_graph import GraphRunner
+    from tp_engine.runtime.piecewise_graph import piecewise_graphs
+    before = torch.cuda.memory_reserved(engine.device)
+    try:
+        engine.graphs = GraphRunner(engine, min(engine.cfg["cuda_graph_max_batch"], engine.max_batch))
+        engine.pieces = piecewise_graphs(engine)
+    except torch.cuda.OutOfMemoryError as e:  # this rank leaves at once: the others may wait in a collective
+        raise comm.StartupError(graph_oom(engine, e)) from None
+    torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the capture stream alone
+    engine.graph_bytes = torch.cuda.memory_reserved(engine.device) - before
+    if engine.tp.is_first:
+        log.info("CUDA graphs hold %s", gib(engine.graph_bytes))
