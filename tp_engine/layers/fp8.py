@@ -1,4 +1,5 @@
-"""Block-FP8 weights in the tensor-parallel linear layers (checkpoints with quant_method fp8, tp_engine/checkpoint/quant.py).
+"""Block-FP8 weights in the tensor-parallel linear layers (checkpoints with quant_method fp8,
+tp_engine/checkpoint/quant.py).
 
 A quantized layer keeps its weight shard in float8_e4m3fn and, beside it, the block scales of the rows and
 columns it holds, laid out so that the GPU kernels need one lookup per row and one offset per layer:
@@ -17,8 +18,8 @@ TP size, the KV-head replication or the parts. A weight and its scales may come 
 On CPU the weight is dequantized once after loading (`finish_loading`: weight x scale, in the compute dtype),
 and the layer is then a plain float layer. On CUDA it stays in fp8 and every matmul goes through
 kernels/fp8.py; without the fused kernels (advanced.fused_kernels off) the shard is dequantized for each call.
-The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per expert; on CUDA they stay in fp8
-(kernels/moe.py dequantizes them in registers), on CPU they are dequantized once.
+The experts of a Qwen3-MoE layer (layers/moe.py) load the same way, scales per expert; on CUDA they stay in
+fp8 (kernels/moe.py dequantizes them in registers), on CPU they are dequantized once.
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class ScaleLayout:
 
 
 def _fp8_param(old: nn.Parameter, device: torch.device) -> nn.Parameter:
-    """An fp8 parameter on `device` in place of `old`: same shape and loader, which now insists on fp8 tensors."""
+    """An fp8 parameter on `device` in place of `old`: same shape and loader, which now insists on fp8
+    tensors."""
     new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=device), requires_grad=False)
     load = old.weight_loader
     new.weight_loader = lambda param, src, shard=None: load(param, _Fp8Source(src), shard)
@@ -132,7 +134,8 @@ class Fp8Weight:
         self.k_shift, self.row_align = layout.k_shift, layout.row_align
         layer.weight = _fp8_param(layer.weight, device)
         layer.weight_scale_inv = layout.empty(device=device)
-        layer.weight_scale_inv.weight_loader = lambda param, src, shard=None: layout.load(param.data, src, shard)
+        layer.weight_scale_inv.weight_loader = (
+            lambda param, src, shard=None: layout.load(param.data, src, shard))
         layer.weight_scale_inv.dummy_init = _dummy_scale
         layer.register_buffer("scale_row", layout.scale_row.to(device), persistent=False)
         layer.quant = self
@@ -184,8 +187,9 @@ class Fp8Experts:
         """Stay in fp8: the MoE layer passes these scales to the fused kernels."""
         gu, dn = self.layouts["gate_up_proj"], self.layouts["down_proj"]
         dev = moe.gate_up_proj.device
-        moe.scales = ExpertScales(moe.gate_up_proj_scale_inv.data, gu.scale_row.to(dev), moe.down_proj_scale_inv.data,
-                                  dn.scale_row.to(dev), dn.k_shift, gu.row_align)
+        moe.scales = ExpertScales(moe.gate_up_proj_scale_inv.data, gu.scale_row.to(dev),
+                                  moe.down_proj_scale_inv.data, dn.scale_row.to(dev), dn.k_shift,
+                                  gu.row_align)
 
     def finish(self, moe: FusedMoE) -> None:
         for name, layout in self.layouts.items():
@@ -209,11 +213,12 @@ class _Fp8Source:
         return t
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool, device: torch.device | None = None) -> None:
-    """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device` (default:
-    where each weight is), except what quantization_config's modules_to_not_convert names (checkpoint names: a
-    fused layer, or a MoE layer's experts, is skipped when all its parts are). Weights built on the meta device
-    (`weight_param`) that stay unquantized are then allocated on `device`."""
+def quantize_linears(model: nn.Module, quant: QuantConfig, w8a8: bool,
+                     device: torch.device | None = None) -> None:
+    """Give every linear layer of the model, and the experts of a MoE, block-FP8 storage on `device`
+    (default: where each weight is), except what quantization_config's modules_to_not_convert names
+    (checkpoint names: a fused layer, or a MoE layer's experts, is skipped when all its parts are). Weights
+    built on the meta device (`weight_param`) that stay unquantized are then allocated on `device`."""
     packed = getattr(model, "packed_modules", {})
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # one matmul of all its experts' projections, named alike
@@ -270,7 +275,8 @@ def settle_experts(model: nn.Module, fused: bool) -> None:
         try:
             self_test_fp8(experts[0].gate_up_proj.device)
         except Exception as e:  # a broken kernel must not give wrong outputs: the bf16 path still works
-            log.warning("FP8 experts dequantized to the compute dtype (their kernels failed a self-test: %s)", e)
+            log.warning("FP8 experts dequantized to the compute dtype "
+                        "(their kernels failed a self-test: %s)", e)
             fused = False
     for module in experts:
         if fused:

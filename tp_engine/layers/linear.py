@@ -103,7 +103,8 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  weight_device: str | None = None) -> None:
         tp = get_tp()
-        assert out_features % tp.size == 0, f"output size {out_features} does not split across {tp.size} ranks"
+        assert out_features % tp.size == 0, (
+            f"output size {out_features} does not split across {tp.size} ranks")
         self.full_out = out_features
         super().__init__(in_features, out_features // tp.size, bias, weight_device)
 
@@ -161,7 +162,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_heads = num_heads // tp.size
         self.kv_heads = max(1, num_kv_heads // tp.size)
-        self.kv_start = tp.rank * num_kv_heads // tp.size if tp.size > num_kv_heads else tp.rank * self.kv_heads
+        if tp.size > num_kv_heads:  # fewer KV heads than ranks: each is replicated
+            self.kv_start = tp.rank * num_kv_heads // tp.size
+        else:
+            self.kv_start = tp.rank * self.kv_heads
         self.out_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         local = (self.q_heads + 2 * self.kv_heads) * head_dim
         LinearBase.__init__(self, hidden, local, bias, weight_device)

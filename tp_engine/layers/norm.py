@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add (and the all-reduce before it) fused in the way the Qwen3 decoder chains it."""
+"""RMSNorm, with the residual add (and the all-reduce before it) fused in the way the Qwen3 decoder
+chains it."""
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,9 @@ class RMSNorm(nn.Module):
         reduce: `x` is this rank's partial sum from a RowParallelLinear(reduce=False), all-reduced here
         first; on the GPU the all-reduce, the add and the norm are then one kernel where they can be."""
         if reduce:
-            fused = None if residual is None else all_reduce_add_rmsnorm(x, residual, self.weight, self.eps, self.tp)
+            fused = None
+            if residual is not None:
+                fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps, self.tp)
             if fused is not None:
                 return fused
             x = all_reduce(x, self.tp)

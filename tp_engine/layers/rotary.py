@@ -14,7 +14,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, heads, head_dim], k: [N, kv_heads, head_dim]; positions: [N]."""
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)

@@ -31,9 +31,10 @@ def build_model(cfg: ModelConfig) -> Qwen3ForCausalLM:
     return Qwen3MoeForCausalLM(cfg) if cfg.moe is not None else Qwen3ForCausalLM(cfg)
 
 
-def load_model(mc: ModelConfig, cfg: dict, dtype: torch.dtype, device: torch.device, rank: int) -> Qwen3ForCausalLM:
-    """The model built on `device` and its weights loaded: this rank's shards from `cfg["model"]`, or random ones
-    with `load_format: dummy`."""
+def load_model(mc: ModelConfig, cfg: dict, dtype: torch.dtype, device: torch.device,
+               rank: int) -> Qwen3ForCausalLM:
+    """The model built on `device` and its weights loaded: this rank's shards from `cfg["model"]`, or random
+    ones with `load_format: dummy`."""
     torch.set_default_dtype(dtype)
     try:  # block-FP8: the linear weights never exist in the compute dtype (qwen3.weight_device)
         with torch.device(device):

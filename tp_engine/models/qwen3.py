@@ -129,11 +129,12 @@ class Qwen3ForCausalLM(nn.Module):
                 module.fused_qkv = fused_qkv
 
     def forward(self, input_ids: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
-        """Last-position logits [B, vocab] on rank 0, in fp32 (or, fp32=False, in the model's dtype); None on the
-        other ranks."""
+        """Last-position logits [B, vocab] on rank 0, in fp32 (or, fp32=False, in the model's dtype); None
+        on the other ranks."""
         return self.logits(self.model(input_ids), fp32)
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
-        """The LM head on the final hidden states [N, hidden] (of each request's last position in a prompt step)."""
+        """The LM head on the final hidden states [N, hidden] (of each request's last position in a prompt
+        step)."""
         logits = self.lm_head(hidden)
         return logits.float() if logits is not None and fp32 else logits

@@ -44,9 +44,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 @contextlib.contextmanager
 def no_collection():
-    """No garbage collection while CUDA graphs are captured. An engine dropped in a reference cycle is freed when
-    the collector runs; freeing its graphs during another engine's capture ends that capture with an error
-    (a new LLM collects before it starts, llm.py)."""
+    """No garbage collection while CUDA graphs are captured. An engine dropped in a reference cycle is freed
+    when the collector runs; freeing its graphs during another engine's capture ends that capture with an
+    error (a new LLM collects before it starts, llm.py)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -68,17 +68,20 @@ class GraphRunner:
         self.buckets = bucket_sizes(max_batch)
         self.max_bs = self.buckets[-1]
 
-        # The static inputs, shared by all buckets (a bucket of size b reads the first b rows), in one device
-        # buffer that one host copy fills each step: the token rows [ids | positions | KV slots] (int64, 3 x M),
-        # then flashinfer's page table [indptr (M + 1) | last page lengths (M) | page ids] (int32): each row's
-        # pages (a page shared by several requests is listed for each), plus a scratch page per padded row.
+        # The static inputs, shared by all buckets (a bucket of size b reads the first b rows), in one
+        # device buffer that one host copy fills each step: the token rows [ids | positions | KV slots]
+        # (int64, 3 x M), then flashinfer's page table [indptr (M + 1) | last page lengths (M) | page ids]
+        # (int32): each row's pages (a page shared by several requests is listed for each), plus a scratch
+        # page per padded row.
         M = self.max_bs
         self.pad_loc = self.kv.scratch_page * S
         self.rows_bytes = 3 * M * 8
         nbytes = self.rows_bytes + 4 * (2 * M + 1 + M * pages_for(engine.max_request_len, S) + M)
         self.static = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        self.host = np.zeros(nbytes, dtype=np.uint8)  # its image on the host, copied whole up to the page ids used
-        self.input_ids, self.positions, self.out_loc = self.static[:self.rows_bytes].view(torch.int64).view(3, M)
+        # its image on the host, copied whole up to the page ids used
+        self.host = np.zeros(nbytes, dtype=np.uint8)
+        self.input_ids, self.positions, self.out_loc = (
+            self.static[:self.rows_bytes].view(torch.int64).view(3, M))
         self.host_rows = self.host[:self.rows_bytes].view(np.int64).reshape(3, M)
         self.meta = self.static[self.rows_bytes:].view(torch.int32)
         self.host_meta = self.host[self.rows_bytes:].view(np.int32)
@@ -118,7 +121,8 @@ class GraphRunner:
     def _capture_all(self) -> None:
         pool = None
         stream = torch.cuda.Stream(self.engine.device)
-        for key in sorted(self.batches, reverse=True):  # largest first: the smaller graphs reuse its memory pool
+        # largest first: the smaller graphs reuse its memory pool
+        for key in sorted(self.batches, reverse=True):
             self._plan(key[0], *self._load(key[0], None), kernel=key[1])
             # warm-up on the capture stream: compiles Triton kernels, sets up cuBLAS, NCCL
             stream.wait_stream(torch.cuda.current_stream())
@@ -139,7 +143,8 @@ class GraphRunner:
         model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
         capturable); logits [bs, vocab] in the model's dtype on rank 0, None on the others."""
         bs, batch = key[0], self.batches[key]
-        # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused kernels)
+        # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused
+        # kernels)
         resolve(self.input_ids[:bs], self.engine.last_tokens,
                 (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]), self.engine.ops)
         with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
@@ -157,8 +162,8 @@ class GraphRunner:
         raise ValueError(f"decode batch of {b} is larger than the largest CUDA graph ({self.max_bs})")
 
     def _load(self, bs: int, batch: Batch | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """Fill the static inputs, `batch` in the first rows and padding after, in one copy from the host; returns
-        the page table's indptr, the KV lengths and the number of page ids, for `_plan`."""
+        """Fill the static inputs, `batch` in the first rows and padding after, in one copy from the host;
+        returns the page table's indptr, the KV lengths and the number of page ids, for `_plan`."""
         M, S = self.max_bs, self.kv.page_size
         b = 0 if batch is None else batch.size
         kv_lens = np.ones(bs, dtype=np.int32)  # padded rows: one token, in the scratch page
@@ -193,13 +198,13 @@ class GraphRunner:
         """Plan the bucket's flashinfer wrapper, unless the step runs the decode kernel (it needs no plan)."""
         if not kernel:
             start = 2 * self.max_bs + 1  # the page ids' place in host_meta (see _load)
-            self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr), torch.from_numpy(kv_lens),
-                                        self.host_meta[start:start + n])
+            self.attn.plan_graph_decode(self.wrappers[bs], torch.from_numpy(indptr),
+                                        torch.from_numpy(kv_lens), self.host_meta[start:start + n])
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | None:
-        """Replay the decode step for `batch`; rank 0 gets logits [>= B, vocab] (the model's dtype), the others
-        None."""
+        """Replay the decode step for `batch`; rank 0 gets logits [>= B, vocab] (the model's dtype), the
+        others None."""
         b = batch.size
         bs = self._bucket(b)
         indptr, kv_lens, n = self._load(bs, batch)

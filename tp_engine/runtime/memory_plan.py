@@ -52,9 +52,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         return (f"of {gib(self.total)}, {gib(self.keep_free)} stay free (kv_cache.gpu_memory_utilization), "
-                f"{gib(self.held)} are in use (the weights {{weights}}), the largest step takes {gib(self.step)}, "
-                f"the CUDA graphs {gib(self.graphs)}, the margin {gib(MARGIN)}: {gib(max(self.kv, 0))} for the "
-                "KV cache")
+                f"{gib(self.held)} are in use (the weights {{weights}}), "
+                f"the largest step takes {gib(self.step)}, the CUDA graphs {gib(self.graphs)}, "
+                f"the margin {gib(MARGIN)}: {gib(max(self.kv, 0))} for the KV cache")
 
 
 def num_pages(engine, per_page: int, graph_tokens: int, graph_batch: int) -> tuple[int, MemoryPlan | None]:
@@ -115,11 +115,11 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
     except torch.cuda.OutOfMemoryError as e:  # a rank leaves at once: the others may wait in a collective
         free = torch.cuda.mem_get_info(dev)[0]
         raise comm.StartupError(
-            f"out of memory on {dev} while measuring the largest step ({tokens} tokens over {rows} requests: "
-            f"max_prefill_tokens, max_batch_size) or a CUDA graph's step (cuda_graph_max_tokens "
+            f"out of memory on {dev} while measuring the largest step ({tokens} tokens over {rows} "
+            f"requests: max_prefill_tokens, max_batch_size) or a CUDA graph's step (cuda_graph_max_tokens "
             f"{cfg['cuda_graph_max_tokens']}, cuda_graph_max_batch {cfg['cuda_graph_max_batch']}), with the "
-            f"weights ({gib(engine.weight_bytes())}) loaded and {gib(free)} free: {oom_asked(e)}; lower those "
-            "keys, or use more ranks or FP8 weights") from None
+            f"weights ({gib(engine.weight_bytes())}) loaded and {gib(free)} free: {oom_asked(e)}; "
+            "lower those keys, or use more ranks or FP8 weights") from None
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     reserved = torch.cuda.memory_reserved(dev)
@@ -136,10 +136,10 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
 
 @torch.inference_mode()
 def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
-    """Peak bytes an eager prompt step of `tokens` tokens over `rows` requests takes (rows - 1 of one token, one
-    of the rest), on a scratch KV cache that is not counted. With `sampled`, the step as the engine runs it:
-    its attention backend's buffers counted, and rank 0 samples every row with a full sort of the vocabulary
-    and takes 20 logprobs; without, what a CUDA graph of the step holds."""
+    """Peak bytes an eager prompt step of `tokens` tokens over `rows` requests takes (rows - 1 of one token,
+    one of the rest), on a scratch KV cache that is not counted. With `sampled`, the step as the engine runs
+    it: its attention backend's buffers counted, and rank 0 samples every row with a full sort of the
+    vocabulary and takes 20 logprobs; without, what a CUDA graph of the step holds."""
     mc, dev, S = engine.model_cfg, engine.device, engine.cfg["kv_cache"]["page_size"]
     lens = [1] * (rows - 1) + [tokens - rows + 1]
     pages = [pages_for(n, S) for n in lens]
@@ -181,8 +181,9 @@ def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
 def graph_oom(engine, e: Exception) -> str:
     cfg = engine.cfg
     return (f"out of memory on {engine.device} while capturing CUDA graphs (cuda_graph_max_batch "
-            f"{cfg['cuda_graph_max_batch']}, cuda_graph_max_tokens {cfg['cuda_graph_max_tokens']}), with the KV "
-            f"cache ({gib(engine.kv.data.numel() * engine.kv.data.element_size())}) allocated: {oom_asked(e)}; "
+            f"{cfg['cuda_graph_max_batch']}, cuda_graph_max_tokens {cfg['cuda_graph_max_tokens']}), "
+            f"with the KV cache ({gib(engine.kv.data.numel() * engine.kv.data.element_size())}) "
+            f"allocated: {oom_asked(e)}; "
             "lower kv_cache.gpu_memory_utilization or those keys, or set cuda_graph: false")
 
 
@@ -195,4 +196,5 @@ def step_oom(engine, batch: Batch, e: Exception) -> str:
     cfg = engine.cfg
     return (f"out of memory on {engine.device} in a step of {len(batch.input_ids)} tokens over {batch.size} "
             f"requests: {oom_asked(e)}; lower kv_cache.gpu_memory_utilization "
-            f"({cfg['kv_cache']['gpu_memory_utilization']}) or max_prefill_tokens ({cfg['max_prefill_tokens']})")
+            f"({cfg['kv_cache']['gpu_memory_utilization']}) or max_prefill_tokens "
+            f"({cfg['max_prefill_tokens']})")

@@ -30,10 +30,10 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 def chain_keys(chain: list[bytes], tokens: Callable[[int, int], Sequence[int]], page_size: int,
                pages: int, start: int = 0) -> Iterator[bytes]:
-    """The keys of a token sequence's full pages `start` (at most len(chain)) to `pages`, computed as they are
-    asked for and kept in `chain`; tokens(start, n) gives the sequence's tokens. A request keeps its chain (its
-    tokens only ever grow), so no key is computed twice, however often the request waits for pages and looks
-    again."""
+    """The keys of a token sequence's full pages `start` (at most len(chain)) to `pages`, computed as they
+    are asked for and kept in `chain`; tokens(start, n) gives the sequence's tokens. A request keeps its
+    chain (its tokens only ever grow), so no key is computed twice, however often the request waits for
+    pages and looks again."""
     for i in range(start, pages):
         if i == len(chain):
             chain.append(page_key(chain[-1] if chain else ROOT_KEY, tokens(i * page_size, page_size)))
@@ -83,7 +83,8 @@ class PagePool:
                     self.free.append(page)
 
     def register(self, page: int, key: bytes) -> None:
-        """`page` (referenced) holds the full page with content `key`, or will once the step being issued ran."""
+        """`page` (referenced) holds the full page with content `key`, or will once the step being issued
+        ran."""
         if self.enabled and key not in self.page_of and page not in self.key_of:
             self.page_of[key] = page
             self.key_of[page] = key

@@ -37,8 +37,8 @@ log = logging.getLogger("tp_engine")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Multiples of 64 up to 1024, then eight sizes per doubling, up to max_tokens (always included): a step is
-    padded by at most 63 tokens up to 1024, and by less than 1/8 of its tokens above."""
+    """Multiples of 64 up to 1024, then eight sizes per doubling, up to max_tokens (always included): a step
+    is padded by at most 63 tokens up to 1024, and by less than 1/8 of its tokens above."""
     sizes, n, step = [], 64, 64
     while n < max_tokens:
         sizes.append(n)
@@ -79,11 +79,13 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(M, dtype=torch.int64, device=dev)
         self.out_loc = torch.full((M,), self.pad_loc, dtype=torch.int64, device=dev)
         self.k_rows, self.v_rows = torch.zeros_like(self.out_loc), torch.zeros_like(self.out_loc)
-        self.q = torch.zeros(M, a.num_heads, a.head_dim, dtype=engine.dtype, device=dev)  # a piece's last output
+        # a piece's last output
+        self.q = torch.zeros(M, a.num_heads, a.head_dim, dtype=engine.dtype, device=dev)
         self.o = torch.zeros_like(self.q)  # attention's output, the next piece's first input
         self.hidden = torch.zeros(M, engine.model_cfg.hidden_size, dtype=engine.dtype, device=dev)
-        # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]: D rows at most, each
-        # with the pages of a context the decode kernel takes (a page shared by several rows is listed for each)
+        # the decode rows' page table, [indptr (D + 1) | last page lengths (D) | page ids]: D rows at most,
+        # each with the pages of a context the decode kernel takes (a page shared by several rows is listed
+        # for each)
         self.decode_rows = min(M, engine.max_batch) if a.ops is not None else 0
         D, S = self.decode_rows, self.kv.page_size
         most = D * pages_for(min(decode_attention.MAX_CONTEXT, engine.max_request_len), S)
@@ -128,23 +130,27 @@ class PiecewiseGraphs:
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # as cuda_graph.py: "global" hangs NCCL
+        # as cuda_graph.py: "global" hangs NCCL
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         return g
 
     def _body(self, T: int) -> None:
-        """The model body over the first T static rows, into `hidden`; attention is cut out (see forward_qkv)."""
+        """The model body over the first T static rows, into `hidden`; attention is cut out (see
+        forward_qkv)."""
         slot_rows(self.out_loc[:T], self.kv.page_size, self.k_rows[:T], self.v_rows[:T])
         plan = StepPlan(None, self.k_rows[:T], self.v_rows[:T])
-        batch = Batch(True, self.input_ids[:T], self.positions[:T], self.out_loc[:T], [T], [T], [[]], self._last,
-                      plan={"flashinfer": plan})
+        batch = Batch(True, self.input_ids[:T], self.positions[:T], self.out_loc[:T], [T], [T], [[]],
+                      self._last, plan={"flashinfer": plan})
         with forward_context(batch, self.kv, self):
             self.hidden[:T].copy_(self.model.model(self.input_ids[:T]))
 
     def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
-        """At capture: Q/K norm, RoPE and the K/V write end the piece; the next starts from attention's output."""
+        """At capture: Q/K norm, RoPE and the K/V write end the piece; the next starts from attention's
+        output."""
         T, D = qkv.shape[0], self.decode_rows
         cache = kv_cache.layer(layer)
-        self.attn.store_qkv(qkv, attn, cache, batch.positions, batch.plan["flashinfer"].k_rows, out=self.q[:T])
+        self.attn.store_qkv(qkv, attn, cache, batch.positions, batch.plan["flashinfer"].k_rows,
+                            out=self.q[:T])
         if self.decoder is not None:  # writes the rows the table holds, none during capture
             self.decoder.run(self.q[:D], cache, self.o[:D])
         if self._capturing is not None:

@@ -84,7 +84,8 @@ class Scheduler:
             if d and not self.done_by_length(r):
                 plan.add_row(r, 1)
         bounded = self.decode_cost > 0 and plan.reqs  # requests are decoding
-        budget = StepBudget(self.max_prefill - len(plan.reqs), self.decode_cost if bounded else math.inf, self.span)
+        decode_cost = self.decode_cost if bounded else math.inf
+        budget = StepBudget(self.max_prefill - len(plan.reqs), decode_cost, self.span)
         unfinished = False  # a running request's prompt does not end in this step
         for r, d in zip(self.running, decoding):  # the request part-way through its prompt, if any
             if not d:
@@ -114,7 +115,8 @@ class Scheduler:
     def _admit(self, req: RequestState) -> bool:
         """Take the cached prefix of `req`; True when the pages for the rest of its tokens are free now."""
         n, S = req.num_tokens, self.page_size
-        # never the page of the last token; the keys are computed up to the first miss (none without the cache)
+        # never the page of the last token; the keys are computed up to the first miss (none without the
+        # cache)
         req.pages = self.pool.match(chain_keys(req.chain, req.tokens, S, (n - 1) // S))
         req.keys = req.chain[:len(req.pages)]
         req.num_cached = len(req.pages) * S
@@ -142,8 +144,8 @@ class Scheduler:
         once the issued steps ran, and their tokens are known on the host."""
         if self.pool.enabled:  # from the first page not yet registered: a long request registers many times
             first = len(r.keys)
-            for i, key in enumerate(chain_keys(r.chain, r.tokens, self.page_size, upto // self.page_size, first),
-                                    first):
+            unregistered = chain_keys(r.chain, r.tokens, self.page_size, upto // self.page_size, first)
+            for i, key in enumerate(unregistered, first):
                 self.pool.register(r.pages[i], key)
                 r.keys.append(key)
 
@@ -183,7 +185,8 @@ class Scheduler:
         for row, (r, start, n, sampled) in enumerate(zip(plan.reqs, plan.starts, plan.lens, plan.sampled)):
             r.sent_pages = len(r.pages)
             r.num_cached = start + n
-            known = min(r.num_cached, r.num_tokens)  # a decode row's pages: findable once their tokens are known
+            # a decode row's pages: findable once their tokens are known
+            known = min(r.num_cached, r.num_tokens)
             if known // S > len(r.keys):  # on the host (a token still on the device is not, yet)
                 self._register(r, known)
             if sampled:

@@ -24,8 +24,8 @@ class StepBudget:
         return n + (n * start + n * (n - 1) / 2) / self.span
 
     def take(self, start: int, n: int) -> int:
-        """Grant the most of `n` prompt tokens from position `start` that fit, and count them. The step's first
-        prompt row gets at least one token whatever its cost, so every prompt advances."""
+        """Grant the most of `n` prompt tokens from position `start` that fit, and count them. The step's
+        first prompt row gets at least one token whatever its cost, so every prompt advances."""
         n = min(n, self.tokens)
         if n > 0 and self.chunk_cost(start, n) > self.cost:
             # the root of n^2 / (2 span) + n (1 + (start - 1/2) / span) = cost, then exact on either side

@@ -122,11 +122,13 @@ def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
 
 def on_device(batch: Batch, device: torch.device) -> Batch:
     """`batch` with its token rows (ids, positions, KV slots, last rows) on `device`: on CUDA in one
-    host-to-device copy, from pinned memory so that it queues behind the GPU's work instead of waiting for it."""
+    host-to-device copy, from pinned memory so that it queues behind the GPU's work instead of waiting for
+    it."""
     if device.type == "cpu" or batch.input_ids.is_cuda:
         return batch
     rows = (batch.input_ids, batch.positions, batch.out_loc, batch.last_indices)
-    dev = torch.from_numpy(np.concatenate([t.numpy() for t in rows])).pin_memory().to(device, non_blocking=True)
+    host = torch.from_numpy(np.concatenate([t.numpy() for t in rows])).pin_memory()
+    dev = host.to(device, non_blocking=True)
     ids, pos, loc, last = dev.split([len(t) for t in rows])
     return replace(batch, input_ids=ids, positions=pos, out_loc=loc, last_indices=last)
 

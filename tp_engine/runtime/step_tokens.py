@@ -18,7 +18,8 @@ class Issued:
     plan: Plan
     tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU, where they are synchronous)
-    logprobs: tuple[torch.Tensor, ...] = ()  # sampler.token_logprobs on the host, when a request asked for them
+    # sampler.token_logprobs on the host, when a request asked for them
+    logprobs: tuple[torch.Tensor, ...] = ()
 
 
 def sampling_inputs(plan: Plan, seed: int) -> tuple[list[SamplingParams], list[int], list[int]]:
