@@ -31,17 +31,19 @@ FAST_PLAN = True
 @dataclass
 class StepPlan:
     wrapper: object  # the planned flashinfer wrapper this step runs (over its prompt rows, in a mixed step)
-    k_rows: torch.Tensor  # [N] int64: row of each new token's K in the layer cache viewed as [rows, kv_heads, d]
+    k_rows: torch.Tensor  # [N] int64: each new token's K row in the layer cache viewed as [rows, kv_heads, d]
     v_rows: torch.Tensor  # [N] int64: the same for V (k_rows + page_size)
-    decode_rows: int = 0  # a mixed step: its first rows, of one token each, attend apart from its prompt rows,
-    # through the decode wrapper, or inside the CUDA-graph pieces (piecewise_graph.py) when this holds their page
-    # table (indptr, last page lengths, page ids)
+    # A mixed step: its first rows, of one token each, attend apart from its prompt rows, through the
+    # decode wrapper, or inside the CUDA-graph pieces (piecewise_graph.py) when decode_table holds their
+    # page table (indptr, last page lengths, page ids)
+    decode_rows: int = 0
     decode_table: tuple | None = None
 
 
 def slot_rows(out_loc: torch.Tensor, page_size: int, k_rows: torch.Tensor | None = None,
               v_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat slot (page * page_size + offset) -> rows of K and V in a layer cache viewed as [pages*2*S, H, D]."""
+    """Flat slot (page * page_size + offset) -> rows of K and V in a layer cache viewed as
+    [pages*2*S, H, D]."""
     k = torch.add(out_loc, torch.div(out_loc, page_size, rounding_mode="floor") * page_size, out=k_rows)
     v = torch.add(k, page_size, out=v_rows)
     return k, v
@@ -76,15 +78,17 @@ class FlashInferBackend:
 
         self.fi = flashinfer
         self.device, self.dtype = device, dtype
-        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = num_heads, num_kv_heads, head_dim, page_size
+        (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size) = (
+            num_heads, num_kv_heads, head_dim, page_size)
         self.max_batch, self.num_pages = max_batch, num_pages
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Eager steps plan their one-token rows and their prompt rows apart (see prepare), both through the
         # prefill planner: it takes every host array it copies from the caller (see _plan). The decode
         # wrapper with tensor cores runs the same kernels; CUDA-graph decode keeps it.
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-        self.decode_rows_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                                  backend="fa2")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self.decode_rows_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
         self.split_kv = SPLIT_KV
         self.guard = PlanGuard()
         self._fast_plans: dict[int, object] = {}
@@ -112,42 +116,46 @@ class FlashInferBackend:
                        indices[:kv_indptr[d]], last_len[:d], seq[:d])
         wrapper = self.decode_rows_wrapper
         if d < len(lens):
-            # causal: each row's queries are the last of its KV (a chunk after its cached prefix, shared or not)
+            # causal: each row's queries are the last of its KV (a chunk after its cached prefix, shared
+            # or not)
             wrapper = self.prefill_wrapper
             qo_indptr = np.zeros(len(lens) - d + 1, dtype=np.int32)
             np.cumsum(lens[d:], out=qo_indptr[1:])
             self._plan(wrapper, qo_indptr, kv_indptr[d:] - kv_indptr[d], indices[kv_indptr[d]:], last_len[d:],
                        seq[d:])
         k_rows, v_rows = slot_rows(batch.out_loc, self.page_size)
-        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows, d if wrapper is self.prefill_wrapper else 0,
-                                            table)
+        batch.plan["flashinfer"] = StepPlan(wrapper, k_rows, v_rows,
+                                            d if wrapper is self.prefill_wrapper else 0, table)
 
     def _plan(self, wrapper, qo_indptr: np.ndarray, kv_indptr: np.ndarray, indices: np.ndarray,
               last_len: np.ndarray, seq_lens: np.ndarray) -> None:
-        """Plan from pinned copies of the host arrays: flashinfer's copies of them to the GPU then queue behind
-        the work already there. From pageable memory each copy would wait for the GPU to finish that work,
-        and the host could no longer prepare a step while the GPU runs the one before."""
+        """Plan from pinned copies of the host arrays: flashinfer's copies of them to the GPU then queue
+        behind the work already there. From pageable memory each copy would wait for the GPU to finish that
+        work, and the host could no longer prepare a step while the GPU runs the one before."""
         pinned = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).pin_memory()
                   for a in (qo_indptr, kv_indptr, indices, last_len, seq_lens)]
         self.guard.before(wrapper)
-        wrapper.plan(*pinned[:4], self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=True,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned[4])
+        wrapper.plan(*pinned[:4], self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned[4])
         self.guard.after(wrapper)
 
-    def graph_decode_wrapper(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
+    def graph_decode_wrapper(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor,
+                             last_buf: torch.Tensor):
         """A decode wrapper for one CUDA-graph batch size (len(last_buf)), reading its page table from the
         given static buffers, which plan() refills before every replay."""
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr_buf,
-            paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+            paged_kv_last_page_len_buffer=last_buf)
 
-    def graph_decode_kernel(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor):
-        """The decode kernel of kernels/decode_attention.py over the same page-table buffers (no plan), or None
-        without the fused kernels. A step runs it or the wrapper (see cuda_graph.py)."""
+    def graph_decode_kernel(self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor,
+                            last_buf: torch.Tensor):
+        """The decode kernel of kernels/decode_attention.py over the same page-table buffers (no plan), or
+        None without the fused kernels. A step runs it or the wrapper (see cuda_graph.py)."""
         if self.ops is None:
             return None
-        return decode_attention.PagedDecode(indptr_buf, last_buf, indices_buf, self.num_heads, self.num_kv_heads,
-                                            self.head_dim, self.page_size)
+        return decode_attention.PagedDecode(indptr_buf, last_buf, indices_buf, self.num_heads,
+                                            self.num_kv_heads, self.head_dim, self.page_size)
 
     def plan_graph_decode(self, wrapper, kv_indptr: torch.Tensor, kv_lens: torch.Tensor,
                           indices: np.ndarray) -> None:
@@ -187,7 +195,8 @@ class FlashInferBackend:
 
             def fast(indptr: torch.Tensor, lens: torch.Tensor):
                 return module.plan(*bufs, qo_indptr, indptr, lens, bs, bs, self.num_heads, self.num_kv_heads,
-                                   self.page_size, True, self.head_dim, self.head_dim, False, -1, -1, not self.split_kv, 0, 0)
+                                   self.page_size, True, self.head_dim, self.head_dim, False, -1, -1,
+                                   not self.split_kv, 0, 0)
 
             self.guard.after(wrapper)
             self.guard.before(wrapper)
@@ -219,12 +228,14 @@ class FlashInferBackend:
         q = self.store_qkv(qkv, attn, cache, batch.positions, plan.k_rows)
         return self.attend(plan, q, cache, torch.empty_like(q))
 
-    def store_qkv(self, qkv: torch.Tensor, attn, cache: torch.Tensor, positions: torch.Tensor, k_rows: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Q/K RMSNorm and RoPE, K and V written to the layer's `cache` (rows k_rows); returns Q [N, heads, d]."""
+    def store_qkv(self, qkv: torch.Tensor, attn, cache: torch.Tensor, positions: torch.Tensor,
+                  k_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Q/K RMSNorm and RoPE, K and V written to the layer's `cache` (rows k_rows); returns Q
+        [N, heads, d]."""
         return self.ops.qk_norm_rope_store(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                                            attn.rotary.cos, attn.rotary.sin, positions, k_rows, cache,
-                                           self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, out)
+                                           self.num_heads, self.num_kv_heads, self.head_dim,
+                                           self.page_size, out)
 
     def attend(self, plan: StepPlan, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Attention of the planned step's queries q [N, heads, d] over the layer's cache, into `out`."""

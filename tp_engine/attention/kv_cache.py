@@ -1,7 +1,8 @@
 """Paged KV cache: one pool of fixed-size pages per layer, and the step's page table every backend reads
 (page ownership and the prefix cache: page_pool.py; the per-rank page tables: step_message.py).
 
-Layout per layer is flashinfer's paged NHD layout: [num_pages, 2 (K, V), page_size, kv_heads_per_rank, head_dim].
+Layout per layer is flashinfer's paged NHD layout:
+[num_pages, 2 (K, V), page_size, kv_heads_per_rank, head_dim].
 """
 from __future__ import annotations
 
@@ -13,18 +14,18 @@ CPU_KV_BYTES = 1 << 30  # default KV pool on CPU when kv_cache.num_pages is not 
 
 
 def budget_pages(per_page: int, most: int) -> int:
-    """The pages of a CPU rank's default pool, its scratch page counted: CPU_KV_BYTES, and at most `most` (what
-    max_batch_size requests of full length could use). On CUDA, memory_plan.py sizes the pool."""
+    """The pages of a CPU rank's default pool, its scratch page counted: CPU_KV_BYTES, and at most `most`
+    (what max_batch_size requests of full length could use). On CUDA, memory_plan.py sizes the pool."""
     return min(CPU_KV_BYTES // per_page - 1, most)
 
 
 def check_pool(n: int, kvc: dict, per_page: int) -> None:
     """A CPU pool must hold a page; else say which keys to change."""
     if n < 1:
-        raise ValueError(f"no room for the KV cache: a page of kv_cache.page_size {kvc['page_size']} tokens takes "
-                         f"{per_page:,} bytes per rank, and the CPU budget of {CPU_KV_BYTES >> 20} MiB holds fewer "
-                         "than two; lower kv_cache.page_size, or set kv_cache.num_pages (or give the model more "
-                         "ranks)")
+        raise ValueError(f"no room for the KV cache: a page of kv_cache.page_size {kvc['page_size']} tokens "
+                         f"takes {per_page:,} bytes per rank, and the CPU budget of {CPU_KV_BYTES >> 20} MiB "
+                         "holds fewer than two; lower kv_cache.page_size, or set kv_cache.num_pages "
+                         "(or give the model more ranks)")
 
 
 class KVCache:
@@ -37,14 +38,15 @@ class KVCache:
         try:
             self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, kv_heads, head_dim, dtype=dtype,
                                     device=device)
-        except (RuntimeError, TypeError) as e:  # out of memory, or past int64: name the size and the key, not torch's
+        except (RuntimeError, TypeError) as e:  # out of memory, or past int64: name the size and the key
             size = (num_pages + 1) * self.bytes_per_page(num_layers, page_size, kv_heads, head_dim, dtype)
             raise ValueError(f"cannot allocate the KV cache: {num_pages:,} pages (kv_cache.num_pages) of "
                              f"{page_size} tokens take {size / 2**30:,.1f} GiB per rank on {device.type}: "
                              f"{str(e).splitlines()[0][:160]}") from None
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
         return num_layers * 2 * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def layer(self, i: int) -> torch.Tensor:
@@ -72,7 +74,8 @@ def page_table(batch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     seq = np.asarray(batch.seq_lens, dtype=np.int32)
     npages = (seq + page_size - 1) // page_size
     if len(seq):
-        ids = np.concatenate([np.asarray(t[:n], dtype=np.int32) for t, n in zip(batch.page_tables, npages.tolist())])
+        ids = np.concatenate([np.asarray(t[:n], dtype=np.int32)
+                              for t, n in zip(batch.page_tables, npages.tolist())])
     else:
         ids = np.zeros(0, dtype=np.int32)
     indptr = np.zeros(len(seq) + 1, dtype=np.int32)

@@ -1,4 +1,5 @@
-"""Plain PyTorch attention over the paged KV cache: the CPU path, and the reference the GPU backend must equal."""
+"""Plain PyTorch attention over the paged KV cache: the CPU path, and the reference the GPU backend
+must equal."""
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,8 @@ class TorchBackend:
             row += n
         batch.plan["torch"] = reqs
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, batch: Batch) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+                batch: Batch) -> torch.Tensor:
         """q: [N, heads, d], k/v: [N, kv_heads, d] -> [N, heads, d]."""
         kv_cache.store(layer, k, v, batch.out_loc)
         cache = kv_cache.layer(layer)

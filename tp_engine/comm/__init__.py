@@ -20,7 +20,8 @@ __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "sh
            "StartupError",
            "check_startup", "gloo_reason", "enable_fast_all_reduce", "failure_report",
            "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
-           "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier", "all_reduce_min"]
+           "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier",
+           "all_reduce_min"]
 
 
 # ---- tensor collectives on the compute device (used inside the model's forward) ----
@@ -68,7 +69,8 @@ def gather_to_rank0(x: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
     b = x.shape[0]
     x = x.contiguous()
     parts = torch.ops._c10d_functional.all_gather_into_tensor(x, tp.size, tp.group.group_name)
-    parts = torch.ops._c10d_functional.wait_tensor(parts)  # [tp * B, n]: rank r's x in rows r * B to (r + 1) * B
+    # [tp * B, n]: rank r's x in rows r * B to (r + 1) * B
+    parts = torch.ops._c10d_functional.wait_tensor(parts)
     if tp.rank != 0:
         return None
     return parts.view(tp.size, b, -1).permute(1, 0, 2).reshape(b, -1)
@@ -100,8 +102,8 @@ def broadcast_ints(values: torch.Tensor | None, tp: TPGroup | None = None) -> to
     except RuntimeError as e:  # a follower waited timeout_s for rank 0, or rank 0 is gone: say so in one line
         if tp.rank == 0:
             raise
-        raise RuntimeError(f"rank {tp.rank}: no step message from rank 0 within timeout_s ({gloo_reason(e)}); "
-                           "another rank probably failed") from None
+        raise RuntimeError(f"rank {tp.rank}: no step message from rank 0 within timeout_s "
+                           f"({gloo_reason(e)}); another rank probably failed") from None
     if tp.rank != 0:
         values = torch.empty(int(n.item()), dtype=torch.int64)
     dist.broadcast(values, src=0, group=tp.cpu_group)

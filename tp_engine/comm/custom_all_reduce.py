@@ -180,7 +180,8 @@ def enable_fast_all_reduce(tp: TPGroup, dtype: torch.dtype, fused: bool, choice:
     for kind in kinds:
         if kind == "push" and not _all_ranks(fused, tp):
             continue
-        fast, ok = _attempt(lambda: ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes, timeout_s), tp, f"{kind} buffers")
+        fast, ok = _attempt(lambda: ALL_REDUCE_KINDS[kind](tp, dtype, max_bytes, timeout_s), tp,
+                            f"{kind} buffers")
         if ok:
             _, ok = _attempt(fast.connect, tp, f"{kind} rendezvous")
         if ok:

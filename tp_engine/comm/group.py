@@ -79,25 +79,29 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
-        # Each group its own keys in torchrun's store: one made again after shutdown() would otherwise read the
-        # last one's addresses, and gloo would connect to closed sockets. Every rank makes its groups in step.
+        # Each group its own keys in torchrun's store: one made again after shutdown() would otherwise
+        # read the last one's addresses, and gloo would connect to closed sockets. Every rank makes its
+        # groups in step.
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         _GROUPS_MADE += 1
-        dist.init_process_group(backend, store=dist.PrefixStore(f"tp_engine/{_GROUPS_MADE}", store), rank=rank,
-                                world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"tp_engine/{_GROUPS_MADE}", store),
+                                rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
         _WORLD_TIMEOUT_S = timeout_s
     wants = step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")
     keep = _TP.channel if _TP.size == world and wants else None  # joined before (a tool, then the engine)
-    # Decided alike on every rank, so the collectives below stay in step even when the ranks were given different
-    # settings (check_startup then says so): a later engine with another timeout_s gets groups of its own, and
-    # the step channel is kept only with this engine's timeout_s (an earlier engine keeps it either way).
-    votes = torch.tensor([timeout_s != _WORLD_TIMEOUT_S, keep is None or keep.timeout_s != timeout_s, not wants],
-                         dtype=torch.int32, device=device)
+    # Decided alike on every rank, so the collectives below stay in step even when the ranks were given
+    # different settings (check_startup then says so): a later engine with another timeout_s gets groups of
+    # its own, and the step channel is kept only with this engine's timeout_s (an earlier engine keeps it
+    # either way).
+    votes = torch.tensor([timeout_s != _WORLD_TIMEOUT_S, keep is None or keep.timeout_s != timeout_s,
+                          not wants], dtype=torch.int32, device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX)
     new_groups, new_channel, no_channel = votes.tolist()
-    group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if new_groups \
-        else dist.group.WORLD
-    cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    group = (dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if new_groups
+             else dist.group.WORLD)
+    cpu_group = (group if device.type == "cpu"
+                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
     set_tp(TPGroup(rank, world, device, group, cpu_group, None if new_channel or no_channel else keep))
     if _TP.channel is None and not no_channel:
         _TP.channel = ShmChannel.create(_TP, timeout_s)
@@ -137,7 +141,8 @@ class StartupError(RuntimeError):
 
 
 def gloo_reason(e: RuntimeError) -> str:
-    """gloo's own words for a failed collective (a timeout, a peer gone), without its source file and C++ trace."""
+    """gloo's own words for a failed collective (a timeout, a peer gone), without its source file and C++
+    trace."""
     return str(e).splitlines()[0].rsplit("] ", 1)[-1].split(". ", 1)[0][:160]  # its first sentence
 
 
@@ -155,9 +160,9 @@ def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | N
         try:
             dist.all_gather_object(reports, mine, group=tp.cpu_group)
         except RuntimeError as e:  # gloo's timeout, or a peer gone: one line instead of a C++ trace
-            raise StartupError(f"not every rank reported at start-up within timeout_s ({gloo_reason(e)}); rank 0 "
-                               "encodes all prompts first: a very large prompts_file needs a larger timeout_s, else "
-                               "another rank failed") from None
+            raise StartupError(f"not every rank reported at start-up within timeout_s ({gloo_reason(e)}); "
+                               "rank 0 encodes all prompts first: a very large prompts_file needs a larger "
+                               "timeout_s, else another rank failed") from None
     for r, (msg, _, _) in enumerate(reports):
         if msg is not None:
             raise StartupError(msg if r == 0 or msg == reports[0][0] else f"rank {r}: {msg}")

@@ -1,4 +1,5 @@
-"""The push all-reduce: a small all-reduce in one kernel, over buffers every rank can write (symmetric memory).
+"""The push all-reduce: a small all-reduce in one kernel, over buffers every rank can write (symmetric
+memory).
 
 The protocol, for W ranks (any W >= 2; docs/tensor-parallelism.md has the argument in full):
 - Every rank owns a buffer of 2 halves x W slots x `slot` 64-bit words, mapped into every other rank.
@@ -13,9 +14,9 @@ Invariants:
    and no order between different words is needed.
 2. No tag equals the zero of a fresh buffer, and the tags of two calls fewer than 2**32 - 1 apart differ; a
    slot holds the words of call k - 2 until call k overwrites it, and a reader rejects them.
-3. Rank s writes call k + 2 into rank r's half only after its call k + 1 finished, which took rank r's words of
-   call k + 1, which rank r stored after its call k kernel, reads included, had ended (stream order). So no
-   word is overwritten before its reader has taken it.
+3. Rank s writes call k + 2 into rank r's half only after its call k + 1 finished, which took rank r's
+   words of call k + 1, which rank r stored after its call k kernel, reads included, had ended (stream
+   order). So no word is overwritten before its reader has taken it.
 4. Every wait is bounded: after `timeout_ns` a program records (call, rank, peer) in host memory and traps
    (or, for the start-up check, gives up), so a stuck peer becomes an error that names this collective.
 5. Launched cooperatively: the driver refuses a grid whose programs cannot all be resident at once, so no
@@ -29,9 +30,11 @@ import torch
 
 from tp_engine.kernels import _warps, triton
 
-# values per program and row of the fused kernel (0: whole rows); launch/bench.py --push-chunk sets it to measure
+# values per program and row of the fused kernel (0: whole rows);
+# launch/bench.py --push-chunk sets it to measure
 PUSH_NORM_CHUNK = 512
-PROGRAMS_PER_SM = 4  # with at most 2 warps a program, 4 fit on an SM whatever their registers (4 x 64 x 255 < 64 Ki)
+# with at most 2 warps a program, 4 fit on an SM whatever their registers (4 x 64 x 255 < 64 Ki)
+PROGRAMS_PER_SM = 4
 
 
 if triton is not None:
@@ -98,7 +101,8 @@ if triton is not None:
     @triton.jit
     def _push_sum(x, offs, m, call, deadline, ptrs_ptr, status_ptr, slot, RANK: tl.constexpr,
                   WORLD: tl.constexpr, TRAP: tl.constexpr):
-        """The sum over the ranks of `x` (this program's values, at `offs` of the message), in fp32, rank order."""
+        """The sum over the ranks of `x` (this program's values, at `offs` of the message), in fp32, rank
+        order."""
         tag = _tag(call)
         base = (call % 2) * WORLD * slot
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True).to(tl.uint64)
@@ -122,7 +126,8 @@ if triton is not None:
 
     @triton.jit
     def _push_all_reduce_kernel(x_ptr, out_ptr, ptrs_ptr, state_ptr, status_addr, timeout_ns, n, slot,
-                                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, TRAP: tl.constexpr):
+                                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                                TRAP: tl.constexpr):
         deadline = globaltimer() + timeout_ns
         status_ptr = status_addr.to(tl.pointer_type(tl.int64))
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -134,13 +139,13 @@ if triton is not None:
         _next_call(state_ptr, call)
 
     @triton.jit
-    def _push_all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ptrs_ptr, state_ptr, ss_ptr,
-                                        status_addr, timeout_ns, n_cols, inv_n, eps, slot, RANK: tl.constexpr,
-                                        WORLD: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr,
-                                        NCHUNK_P2: tl.constexpr, TRAP: tl.constexpr):
-        # grid (rows, NCHUNK): a row's chunks travel in parallel; the norm's sum of squares of the whole row is
-        # then gathered from the row's programs through `ss_ptr`, tagged like the values (all are resident:
-        # the launch is cooperative)
+    def _push_all_reduce_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ptrs_ptr, state_ptr,
+                                        ss_ptr, status_addr, timeout_ns, n_cols, inv_n, eps, slot,
+                                        RANK: tl.constexpr, WORLD: tl.constexpr, CHUNK: tl.constexpr,
+                                        NCHUNK: tl.constexpr, NCHUNK_P2: tl.constexpr, TRAP: tl.constexpr):
+        # grid (rows, NCHUNK): a row's chunks travel in parallel; the norm's sum of squares of the whole row
+        # is then gathered from the row's programs through `ss_ptr`, tagged like the values (all are
+        # resident: the launch is cooperative)
         deadline = globaltimer() + timeout_ns
         status_ptr = status_addr.to(tl.pointer_type(tl.int64))
         row = tl.program_id(0).to(tl.int64)
@@ -162,8 +167,8 @@ if triton is not None:
             word = ((tag << 32) | ss.to(tl.uint32, bitcast=True).to(tl.uint64)).to(tl.int64, bitcast=True)
             _store_sys(ss_ptr + row * NCHUNK + c, word, c >= 0)
             k = tl.arange(0, NCHUNK_P2)
-            v = _wait_tagged(ss_ptr + row * NCHUNK + k, k < NCHUNK, tag, deadline, status_ptr, call, RANK, RANK,
-                             TRAP)
+            v = _wait_tagged(ss_ptr + row * NCHUNK + k, k < NCHUNK, tag, deadline, status_ptr, call, RANK,
+                             RANK, TRAP)
             ss = tl.sum(tl.where(k < NCHUNK, _word_value(v), 0.0), axis=0)
         rstd = _rsqrt(ss * inv_n + eps)
         y = _round(xf * rstd, DT)
@@ -190,8 +195,9 @@ class PushState:
     keep: object = field(default=None, repr=False)  # whatever must live as long as `ptrs` point into it
 
     @classmethod
-    def create(cls, ptrs: torch.Tensor, slot: int, rank: int, world: int, device: torch.device, timeout_s: float,
-               trap: bool = True, first_call: int = 1, cooperative: bool = True) -> "PushState":
+    def create(cls, ptrs: torch.Tensor, slot: int, rank: int, world: int, device: torch.device,
+               timeout_s: float, trap: bool = True, first_call: int = 1,
+               cooperative: bool = True) -> "PushState":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return cls(ptrs, slot, rank, world, int(timeout_s * 1e9), trap,
                    torch.tensor([first_call, 0], dtype=torch.int64, device=device),
@@ -205,8 +211,8 @@ class PushState:
             return None
         whose = (f"rank {peer}'s values" if peer != rank
                  else "the other programs of its own fused-norm kernel (not all of them could run at once)")
-        return (f"push all-reduce: rank {rank} waited {self.timeout_ns / 1e9:g} s in call {call} for {whose}; "
-                "a rank stopped calling the collective or its GPU is busy with other work "
+        return (f"push all-reduce: rank {rank} waited {self.timeout_ns / 1e9:g} s in call {call} for "
+                f"{whose}; a rank stopped calling the collective or its GPU is busy with other work "
                 "(set advanced.all_reduce: nccl to take NCCL instead)")
 
     def programs(self, x: torch.Tensor, norm: bool) -> int:
@@ -248,7 +254,8 @@ def push_all_reduce(x: torch.Tensor, st: PushState, launch: bool = True) -> torc
 def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                 st: PushState, launch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rmsnorm(push_all_reduce(x), residual, weight, eps)` in one kernel. Each row is cut into chunks of
-    PUSH_NORM_CHUNK values, one program each; a row's programs exchange their sums of squares through `st.ss`."""
+    PUSH_NORM_CHUNK values, one program each; a row's programs exchange their sums of squares through
+    `st.ss`."""
     n = x.shape[-1]
     assert x.is_contiguous() and residual.is_contiguous() and x.numel() <= st.slot
     out, res_out = torch.empty_like(x), torch.empty_like(x)
@@ -258,8 +265,10 @@ def push_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
         nchunk = triton.cdiv(n, chunk)
         assert rows * nchunk <= min(st.ss.numel(), st.max_programs)
         _start(_push_all_reduce_rmsnorm_kernel, (rows, nchunk),
-               (x, residual, weight, out, res_out, st.ptrs, st.state, st.ss, st.status.data_ptr(), st.timeout_ns,
-                n, 1.0 / n, eps, st.slot),
-               dict(RANK=st.rank, WORLD=st.world, CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P2=triton.next_power_of_2(nchunk),
-                    TRAP=st.trap, num_warps=min(2, _warps(chunk)), launch_cooperative_grid=st.cooperative), launch)
+               (x, residual, weight, out, res_out, st.ptrs, st.state, st.ss, st.status.data_ptr(),
+                st.timeout_ns, n, 1.0 / n, eps, st.slot),
+               dict(RANK=st.rank, WORLD=st.world, CHUNK=chunk, NCHUNK=nchunk,
+                    NCHUNK_P2=triton.next_power_of_2(nchunk), TRAP=st.trap, num_warps=min(2, _warps(chunk)),
+                    launch_cooperative_grid=st.cooperative),
+               launch)
     return out, res_out

@@ -73,8 +73,10 @@ class ShmChannel:
                 if tp.rank == 0:
                     shm.unlink()
             return None
-        if tp.rank == 0:  # every rank has it mapped: its name can go now, so no exit (the command line's
-            shm.unlink()  # os._exit, a crash) leaves the segment behind or a resource_tracker "leaked" warning
+        # Every rank has it mapped: its name can go now, so no exit (the command line's os._exit, a crash)
+        # leaves the segment behind or a resource_tracker "leaked" warning.
+        if tp.rank == 0:
+            shm.unlink()
         return cls(tp, shm, timeout_s)
 
     def _wait(self, ready) -> None:
@@ -87,8 +89,8 @@ class ShmChannel:
                 if deadline is None:
                     deadline = time.monotonic() + self.timeout_s
                 elif time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {self.tp.rank}: no step message from rank 0 in {self.timeout_s:.0f} s "
-                                       "(timeout_s); another rank probably failed")
+                    raise RuntimeError(f"rank {self.tp.rank}: no step message from rank 0 in "
+                                       f"{self.timeout_s:.0f} s (timeout_s); another rank probably failed")
 
     def send(self, values: torch.Tensor) -> torch.Tensor | None:
         n = values.numel()

@@ -66,7 +66,8 @@ def available() -> bool:
 # ---- the choice ----
 
 def _ops() -> SimpleNamespace:
-    from . import fp8, gemv, mlp, moe, norm, sampling  # the kernel modules import the helpers below from this one
+    # the kernel modules import the helpers below from this one
+    from . import fp8, gemv, mlp, moe, norm, sampling
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, gate_up_silu=mlp.gate_up_silu, linear=gemv.linear,
@@ -100,8 +101,8 @@ def select(device: torch.device, mode: str = "auto", fp8: bool = False) -> Simpl
     if failure is None:
         return _ops()
     if mode == "on":
-        raise ValueError(f"advanced.fused_kernels is on, but the fused Triton kernels failed their self-test: "
-                         f"{failure}")
+        raise ValueError(f"advanced.fused_kernels is on, but the fused Triton kernels failed their "
+                         f"self-test: {failure}")
     log.warning("fused Triton kernels disabled (self-test failed: %s)", failure)
     return None
 
@@ -143,7 +144,8 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         q = ops.qk_norm_rope_store(qkv, ones, ones, 1e-6, cos, sin, torch.tensor([0, 1], device=device), rows,
                                    cache, 1, 1, 128, 4)
         qf = qkv[:, :128].float()
-        torch.testing.assert_close(q[:, 0], (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), **tol)
+        torch.testing.assert_close(
+            q[:, 0], (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), **tol)
         assert torch.equal(cache[1, 1, 1, 0], qkv[1, 256:])
         if fp8:
             from . import fp8 as fp8_kernels

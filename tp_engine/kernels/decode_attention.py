@@ -1,5 +1,5 @@
-"""Decode attention over the paged KV cache inside CUDA graphs, on short contexts: one kernel, no plan. It runs
-in the decode graphs (cuda_graph.py) and for the decode rows of mixed steps in the graph pieces
+"""Decode attention over the paged KV cache inside CUDA graphs, on short contexts: one kernel, no plan. It
+runs in the decode graphs (cuda_graph.py) and for the decode rows of mixed steps in the graph pieces
 (piecewise_graph.py).
 
 Each request's query (one token, all heads) attends over its pages, read through the page table its caller
@@ -36,9 +36,9 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        # Before the wait: the page table, copied from the host before the graph runs, and the first tile's K
-        # and V rows into the L2 cache (LINES 128-byte lines a row). A prefetch only fills the cache: the kernel
-        # reads the rows after the wait, the newest token's, which the kernel before writes, included.
+        # Before the wait: the page table, copied from the host before the graph runs, and the first tile's
+        # K and V rows into the L2 cache (LINES 128-byte lines a row). A prefetch only fills the cache: the
+        # kernel reads the rows after the wait, the newest token's, which the kernel before writes, included.
         p0 = tl.load(indptr_ptr + b)
         length = (tl.load(indptr_ptr + b + 1) - p0 - 1) * PAGE + tl.load(last_ptr + b)
         chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T)
@@ -93,7 +93,8 @@ if triton is not None:
                     first = (pair * SPLITS).to(tl.int64)
                     big = tl.full([GP], float("-inf"), dtype=tl.float32)
                     for j in range(0, n_active):
-                        big = tl.maximum(big, tl.load(ml_ptr + (first + j) * 2 * GP + g, cache_modifier=".cg"))
+                        big = tl.maximum(big, tl.load(ml_ptr + (first + j) * 2 * GP + g,
+                                                      cache_modifier=".cg"))
                     total = tl.zeros([GP], dtype=tl.float32)
                     o = tl.zeros([GP, D], dtype=tl.float32)
                     for j in range(0, n_active):
@@ -111,9 +112,9 @@ if triton is not None:
 # 43-63% of flashinfer's time at 128 tokens, 67-87% at 512, 86-100% at 1,024; beyond, flashinfer's is faster.
 MAX_CONTEXT = 1024
 
-# Measured on an H200 (docs/benchmarks-history.md): 128 tokens per iteration for up to 16 requests, 64 above. A request
-# of at most one iteration's tokens runs in one program (no partials, no merge); a longer one in up to
-# MAX_SPLITS, as many as give two programs per SM
+# Measured on an H200 (docs/benchmarks-history.md): 128 tokens per iteration for up to 16 requests, 64
+# above. A request of at most one iteration's tokens runs in one program (no partials, no merge); a longer
+# one in up to MAX_SPLITS, as many as give two programs per SM
 MAX_SPLITS = 32
 WARPS, STAGES = 4, 3
 
@@ -146,12 +147,14 @@ class PagedDecode:
         self.min_chunk = min_chunk or self.block_t
 
     def run(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [batch, heads, d] (contiguous), cache [pages, 2, page_size, kv_heads, d] -> out [batch, heads, d]."""
+        """q [batch, heads, d] (contiguous), cache [pages, 2, page_size, kv_heads, d] -> out
+        [batch, heads, d]."""
         assert q.shape == (self.batch, self.h, self.d) and q.is_contiguous() and cache.is_contiguous()
         out = torch.empty_like(q) if out is None else out
         _decode_kernel[(self.batch, self.kvh, self.splits)](
             q, cache, self.indptr, self.last, self.ids, out, self.part, self.ml, self.count, self.scale_log2,
-            self.min_chunk, H=self.h, KVH=self.kvh, G=self.g, GP=self.gp, D=self.d, PAGE=self.page, SPLITS=self.splits,
+            self.min_chunk, H=self.h, KVH=self.kvh, G=self.g, GP=self.gp, D=self.d, PAGE=self.page,
+            SPLITS=self.splits,
             BLOCK_T=self.block_t, LINES=max(1, self.d * cache.element_size() // 128), num_warps=WARPS,
             num_stages=STAGES, **pdl_args(q.device))
         return out

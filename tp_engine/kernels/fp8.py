@@ -21,7 +21,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tenso
     """weight x its block's scale, in `dtype`: the CPU path's weights (once, after loading), the GPU fallback
     without the Triton kernels, and the reference of the kernels."""
     n, k = weight.shape
-    s = scale.float().index_select(0, scale_row.long()).repeat_interleave(BLOCK_K, dim=1)[:, k_shift:k_shift + k]
+    s = (scale.float().index_select(0, scale_row.long())
+         .repeat_interleave(BLOCK_K, dim=1)[:, k_shift:k_shift + k])
     return (weight.float() * s).to(dtype)
 
 
@@ -77,7 +78,8 @@ if triton is not None:
             if UNIFORM:
                 s = tl.load(s_rows + b, mask=b < n_kb, other=0.0)[None, :]
                 if PAIR:
-                    s = tl.where((r % 2 == 0)[:, None], s, tl.load(s_up + b, mask=b < n_kb, other=0.0)[None, :])
+                    s = tl.where((r % 2 == 0)[:, None], s,
+                                 tl.load(s_up + b, mask=b < n_kb, other=0.0)[None, :])
             else:
                 s = tl.load(s_rows + b[None, :], mask=rmask[:, None] & (b < n_kb)[None, :], other=0.0)
             x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -91,9 +93,9 @@ if triton is not None:
             tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(DT), mask=rmask)
 
 
-# (rows per program, k-blocks of 128 per iteration, warps): the fastest inside a decode step on an H200 for the
-# shapes of Qwen3-8B and Qwen3-0.6B, and neighbours (the timing picks per shape). Tiles of 8 warps time faster alone on
-# some shapes and make the step slower, so none is offered.
+# (rows per program, k-blocks of 128 per iteration, warps): the fastest inside a decode step on an H200 for
+# the shapes of Qwen3-8B and Qwen3-0.6B, and neighbours (the timing picks per shape). Tiles of 8 warps time
+# faster alone on some shapes and make the step slower, so none is offered.
 GEMV_CONFIGS = [(4, 4, 2), (8, 8, 2), (8, 16, 4), (4, 16, 4), (2, 32, 4), (8, 8, 4), (4, 8, 2), (16, 4, 4)]
 
 
@@ -106,17 +108,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: 
     n, rows = (n // 2, bn // 2) if pair else (n, bn)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, rows),)](x, weight, scale, scale_row, out, n, k, weight.stride(0),
-                                              scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128), BLOCK_N=bn,
-                                              KB=kb, UNIFORM=row_align % rows == 0, PAIR=pair, num_warps=warps,
-                                              **pdl_args(x.device))
+                                              scale.stride(0), k_shift, triton.cdiv(k + k_shift, 128),
+                                              BLOCK_N=bn, KB=kb, UNIFORM=row_align % rows == 0, PAIR=pair,
+                                              num_warps=warps, **pdl_args(x.device))
     return out
 
 
-# Which kernel and tile each (weight shape, token-count bucket) runs: decided once, on first use, by timing the
-# candidates as kernels/gemv.py does (never inside a CUDA-graph capture: GraphRunner warms every batch size up
-# before capturing it). At one token the GEMV races the small-batch GEMM tiles. Beyond 256 tokens (prefill,
-# compute-bound, where timing in the middle of a run would cost more than it saves) the choice is fixed:
-# weight-only dequantizes the shard for cuBLAS, w8a8 prepares the activations in a pass of their own.
+# Which kernel and tile each (weight shape, token-count bucket) runs: decided once, on first use, by timing
+# the candidates as kernels/gemv.py does (never inside a CUDA-graph capture: GraphRunner warms every batch
+# size up before capturing it). At one token the GEMV races the small-batch GEMM tiles. Beyond 256 tokens
+# (prefill, compute-bound, where timing in the middle of a run would cost more than it saves) the choice is
+# fixed: weight-only dequantizes the shard for cuBLAS, w8a8 prepares the activations in a pass of their own.
 _CHOICE: dict = {}  # measured choices by shape and device: a cache (as kernels/gemv.py's), not a switch
 BUCKETS = (1, 16, 32, 64, 128, 256)
 
@@ -153,16 +155,18 @@ def _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket, after
     xs = torch.randn(bucket, x.shape[1], device=x.device, dtype=x.dtype)  # the bucket's largest batch
     inputs = lambda: xs  # noqa: E731
     if after_norm and bucket == 1:
-        # As in a decode step: each call reads a norm's output, and its first tile is prefetched while the short
-        # norm runs. Timed back to back instead, that prefetch overlaps the call before, which favours tiles
-        # with a large first tile; for Qwen3-8B's Q/K/V those were 0.7% slower in the step (docs/benchmarks-history.md).
+        # As in a decode step: each call reads a norm's output, and its first tile is prefetched while the
+        # short norm runs. Timed back to back instead, that prefetch overlaps the call before, which favours
+        # tiles with a large first tile; for Qwen3-8B's Q/K/V those were 0.7% slower in the step
+        # (docs/benchmarks-history.md).
         res, norm_w = torch.randn_like(xs), torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
         inputs = lambda: add_rmsnorm(xs, res, norm_w, 1e-6)[0]  # noqa: E731
     weights = cold_copies(weight)
     best, best_t = None, float("inf")
     for choice in _candidates(bucket, w8a8, x.dtype == torch.float32):
         try:
-            t = _time(lambda w: _run(choice, inputs(), w, scale, scale_row, k_shift, row_align, w8a8), weights)
+            t = _time(lambda w: _run(choice, inputs(), w, scale, scale_row, k_shift, row_align, w8a8),
+                      weights)
         except Exception:  # a tile this shape or GPU cannot run (shared memory, registers)
             continue
         if t < best_t:
@@ -189,7 +193,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row
         if bucket == 0 or torch.cuda.is_current_stream_capturing():
             choice = _candidates(bucket, w8a8, x.dtype == torch.float32)[0]
         else:
-            choice = _CHOICE[key] = _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket, after_norm)
+            choice = _CHOICE[key] = _choose(x, weight, scale, scale_row, k_shift, row_align, w8a8, bucket,
+                                            after_norm)
     return _run(choice, x, weight, scale, scale_row, k_shift, row_align, w8a8)
 
 
@@ -200,13 +205,15 @@ def self_test(device: torch.device) -> None:
     n, k, shift = 200, 300, 32
     w = (torch.randn(n, k, device=device, generator=g) * 100).clamp(-448, 448).to(FP8)
     scale_row = ((torch.arange(n, device=device) + 40) // 128).to(torch.int32)
-    scale = torch.rand((n - 1 + 40) // 128 + 1, -(-(k + shift) // 128), device=device, generator=g) / 400 + 1e-4
+    scale = (torch.rand((n - 1 + 40) // 128 + 1, -(-(k + shift) // 128), device=device, generator=g)
+             / 400 + 1e-4)
     ref_w = dequantize(w, scale, scale_row, shift, torch.float32)
     for m in (1, 5):
         x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
         ref = F.linear(x.float(), ref_w)
         runs = [("gemm", GEMM_CONFIGS[16][0]), ("gemm", GEMM_CONFIGS[64][-1]), ("pre", PRE_CONFIGS[0]),
-                ("dequant", None)] + ([("gemv", GEMV_CONFIGS[0]), ("gemv", (16, 4, 4))] if m == 1 else [])  # both bodies
+                ("dequant", None)] + ([("gemv", GEMV_CONFIGS[0]), ("gemv", (16, 4, 4))]  # both bodies
+                                      if m == 1 else [])
         for a8 in (False, True):
             for choice in runs:
                 if choice[0] in ("gemv", "dequant") and a8:  # weight-only whatever the flag
@@ -215,4 +222,5 @@ def self_test(device: torch.device) -> None:
                 err = float((out.float() - ref).norm() / ref.norm())
                 # bf16 rounding of the output; with w8a8 also the fp8 rounding of the activations, ~3% of each
                 # product
-                assert err < (0.06 if a8 else 0.01), f"FP8 matmul {choice}, w8a8={a8}: relative error {err:.3f}"
+                assert err < (0.06 if a8 else 0.01), (
+                    f"FP8 matmul {choice}, w8a8={a8}: relative error {err:.3f}")

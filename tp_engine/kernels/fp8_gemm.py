@@ -15,9 +15,9 @@ activation tile in registers, in one of two flavours:
 SWAP computes the transposed product (weight rows as the MMA's M dimension, tokens as its N), which suits a
 few tokens: the MMA needs M >= 64 on Hopper (16 on older GPUs) but takes N down to 8 (16 in Triton).
 
-With more tokens, redoing that work on the activations for every weight tile costs more than a pass of its own:
-`prepare_activations` stores the operand and its factors once, and the kernel (PRE) reads them. Weight-only
-can also dequantize the shard into the activation dtype (`dequantize_weight`) for cuBLAS.
+With more tokens, redoing that work on the activations for every weight tile costs more than a pass of its
+own: `prepare_activations` stores the operand and its factors once, and the kernel (PRE) reads them.
+Weight-only can also dequantize the shard into the activation dtype (`dequantize_weight`) for cuBLAS.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ if triton is not None:
     @triton.jit
     def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, srow_ptr, c_ptr, M, N, K, a_stride, as_stride, w_stride,
                          s_stride, c_stride, k_shift, n_kb, W8A8: tl.constexpr, PRE: tl.constexpr,
-                         SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                         SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUP_M: tl.constexpr):
         """PRE: `a` and its factors `as` [M, n_kb] come from prepare_activations; else `a` is bf16/fp16."""
         pid = tl.program_id(0)
         num_m = (M + BLOCK_M - 1) // BLOCK_M
@@ -125,7 +126,8 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = (rows < N)[:, None] & (cols < K)[None, :]
         srow = tl.load(srow_ptr + rows, mask=rows < N, other=0)
-        s = tl.load(s_ptr + srow[:, None] * s_stride + ((cols + k_shift) // _BK)[None, :], mask=mask, other=0.0)
+        s = tl.load(s_ptr + srow[:, None] * s_stride + ((cols + k_shift) // _BK)[None, :], mask=mask,
+                    other=0.0)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * w_stride + cols[None, :], mask=mask, other=0.0)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
                  (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
@@ -140,7 +142,8 @@ GEMM_CONFIGS = {
     32: [(32, 32, 2, 4, True), (32, 64, 4, 4, True), (32, 128, 4, 4, True), (32, 64, 4, 4, False)],
     64: [(64, 64, 4, 4, True), (64, 64, 4, 4, False), (64, 128, 4, 3, False)],
 }
-PRE_CONFIGS = [(64, 128, 4, 4, False), (64, 128, 4, 3, False), (64, 64, 4, 4, False)]  # more tokens: "pre" only
+# more tokens: "pre" only
+PRE_CONFIGS = [(64, 128, 4, 4, False), (64, 128, 4, 3, False), (64, 64, 4, 4, False)]
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor, k_shift: int,
@@ -155,8 +158,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: 
     a, a_s = prepare_activations(x, k_shift, w8a8) if pre else (x, scale)  # scale: any pointer, unread
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](a, a_s, weight, scale, scale_row, out, m, n, k, a.stride(0), a_s.stride(0),
-                           weight.stride(0), scale.stride(0), out.stride(0), k_shift, n_kb, W8A8=w8a8, PRE=pre,
-                           SWAP=swap, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
+                           weight.stride(0), scale.stride(0), out.stride(0), k_shift, n_kb, W8A8=w8a8,
+                           PRE=pre, SWAP=swap, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps,
+                           num_stages=stages)
     return out
 
 
@@ -168,8 +172,8 @@ def prepare_activations(x: torch.Tensor, k_shift: int, w8a8: bool) -> tuple[torc
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn if w8a8 else torch.float16, device=x.device)
     s = torch.empty((m, n_kb), dtype=torch.float32, device=x.device)
     groups = 4
-    _act_quant_kernel[(m, triton.cdiv(n_kb, groups))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), k_shift,
-                                                      n_kb, W8A8=w8a8, GROUPS=groups, num_warps=1)
+    _act_quant_kernel[(m, triton.cdiv(n_kb, groups))](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+                                                      k_shift, n_kb, W8A8=w8a8, GROUPS=groups, num_warps=1)
     return q, s
 
 
@@ -179,7 +183,7 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, scale_row: torc
     n, k = weight.shape
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     bn, block = 16, 256
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, block))](weight, scale, scale_row, out, n, k,
-                                                                 weight.stride(0), scale.stride(0), out.stride(0),
-                                                                 k_shift, BLOCK_N=bn, BLOCK=block, num_warps=4)
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, block))](
+        weight, scale, scale_row, out, n, k, weight.stride(0), scale.stride(0), out.stride(0), k_shift,
+        BLOCK_N=bn, BLOCK=block, num_warps=4)
     return out

@@ -17,8 +17,8 @@ if triton is not None:
         rmask = rows < N
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         base = w_ptr + rows[:, None].to(tl.int64) * w_stride
-        # each weight is read once per step: evict_first keeps it from pushing activations out of the L2 cache.
-        # Each iteration loads the next tile: the first is loaded before waiting for x (PDL)
+        # each weight is read once per step: evict_first keeps it from pushing activations out of the L2
+        # cache. Each iteration loads the next tile: the first is loaded before waiting for x (PDL)
         cols = tl.arange(0, BLOCK_K)
         w = tl.load(base + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0,
                     eviction_policy="evict_first")
@@ -38,8 +38,9 @@ if triton is not None:
 # once, on first use, by timing both (never inside a CUDA-graph capture: GraphRunner warms every bucket up
 # before capturing it, so the choice is made by then).
 
-GEMV_CONFIGS = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
-                (32, 256, 8)]  # (rows per program, columns per iteration, warps)
+# (rows per program, columns per iteration, warps)
+GEMV_CONFIGS = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
+                (16, 512, 8), (32, 256, 8)]
 # (weight shape, dtype, device) -> the tile timed fastest: a cache of measurements that every engine of the
 # process shares, not a switch (each engine chooses whether to run these kernels at all: kernels.select)
 _GEMV_CHOICE: dict = {}
@@ -77,9 +78,11 @@ def _time(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
 
 
 def cold_copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """w and copies of it, three L2 caches' worth in all (at most 64 matrices), for `_time` to cycle through."""
+    """w and copies of it, three L2 caches' worth in all (at most 64 matrices), for `_time` to cycle
+    through."""
     l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
-    return [w] + [w.clone() for _ in range(min(64, max(1, -(-3 * l2 // (w.numel() * w.element_size())))) - 1)]
+    return [w] + [w.clone()
+                  for _ in range(min(64, max(1, -(-3 * l2 // (w.numel() * w.element_size())))) - 1)]
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor):
@@ -96,9 +99,9 @@ def _choose(x: torch.Tensor, w: torch.Tensor):
     return best
 
 
-# A replicated weight (the MoE router) must give the same bits on every rank, so the kernel cannot be chosen by
-# each rank's own timing: this tile, the one the timing picks on an H200 for the routers of Qwen3-30B-A3B and
-# Qwen3-235B-A22B ([128, 2048], [128, 4096]: 1.7 and 2.5 us, cuBLAS 4.6 and 5.4 us).
+# A replicated weight (the MoE router) must give the same bits on every rank, so the kernel cannot be chosen
+# by each rank's own timing: this tile, the one the timing picks on an H200 for the routers of Qwen3-30B-A3B
+# and Qwen3-235B-A22B ([128, 2048], [128, 4096]: 1.7 and 2.5 us, cuBLAS 4.6 and 5.4 us).
 REPLICATED_CONFIG = (2, 1024, 4)
 
 

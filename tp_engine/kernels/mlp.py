@@ -1,6 +1,6 @@
-"""silu(gate) * up of a dense MLP at one token, in one kernel: the experts' gate/up kernel (kernels/moe.py) run
-as a single expert, or, with block-FP8 weights, the FP8 GEMV (kernels/fp8.py) taking rows of gate and up in
-pairs. Against the matmul and then `silu_mul`, it saves a kernel per layer and the write and read of
+"""silu(gate) * up of a dense MLP at one token, in one kernel: the experts' gate/up kernel (kernels/moe.py)
+run as a single expert, or, with block-FP8 weights, the FP8 GEMV (kernels/fp8.py) taking rows of gate and up
+in pairs. Against the matmul and then `silu_mul`, it saves a kernel per layer and the write and read of
 [gate | up]. Each weight shape keeps the fastest of these, timed once on first use (as kernels/gemv.py does;
 never inside a CUDA-graph capture: GraphRunner warms every batch size up first).
 
@@ -15,7 +15,8 @@ from tp_engine.kernels import pdl_args, triton
 
 # (rows of gate and of up per program, reduction step, warps): the expert tiles, and wider ones for the
 # dense MLPs' longer rows
-TILES = [(1, 512, 2), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4), (8, 128, 8), (8, 512, 2)]
+TILES = [(1, 512, 2), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4), (8, 128, 8),
+         (8, 512, 2)]
 _CHOICE: dict = {}  # measured choices by shape and device: a cache (as kernels/gemv.py's), not a switch
 _ZERO: dict = {}  # device -> the fixed expert id 0
 
@@ -65,7 +66,8 @@ def tiles(fp8: tuple | None) -> list[tuple]:
 
 
 def candidates(fp8: tuple | None) -> list[tuple]:
-    """("split", None), then ("fused", tile) and, with FP8 weights, ("paired", FP8 GEMV tile) for each tile."""
+    """("split", None), then ("fused", tile) and, with FP8 weights, ("paired", FP8 GEMV tile) for each
+    tile."""
     from tp_engine.kernels.fp8 import GEMV_CONFIGS
 
     pairs = [] if fp8 is None else [("paired", c) for c in GEMV_CONFIGS if c[0] > 1]

@@ -1,4 +1,5 @@
-"""Mixture-of-experts on the GPU: the router's top-k, and the experts' SwiGLU MLPs over each token's k experts.
+"""Mixture-of-experts on the GPU: the router's top-k, and the experts' SwiGLU MLPs over each token's k
+experts.
 
 `fused_moe` computes, for each token t, sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) with
 expert_e(x) = down_e(silu(gate_e x) * up_e x), without a host synchronisation (all buffer sizes follow from
@@ -54,13 +55,14 @@ if triton is not None:
         tl.store(ids_ptr + t * K + j, ids, mask=j < K)
 
     @triton.jit
-    def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride, s_ptr, srow_ptr,
-                             s_se, s_sr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
-                             ROUTED: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
-        """FP8: the BN rows share a scale row (BN divides the layout's row_align), so the block scales multiply
-        the activations, one per column, not the weights. ROUTED: the expert ids come from the kernel before;
-        otherwise (a dense MLP, kernels/mlp.gate_up_silu) they are fixed, and the first weight tile is on its
-        way to the L2 cache before the wait for x."""
+    def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, K, I, x_stride, w_se, w_sn, act_stride, s_ptr,
+                             srow_ptr, s_se, s_sr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             FP8: tl.constexpr, ROUTED: tl.constexpr, LINES: tl.constexpr,
+                             PDL: tl.constexpr):
+        """FP8: the BN rows share a scale row (BN divides the layout's row_align), so the block scales
+        multiply the activations, one per column, not the weights. ROUTED: the expert ids come from the
+        kernel before; otherwise (a dense MLP, kernels/mlp.gate_up_silu) they are fixed, and the first weight
+        tile is on its way to the L2 cache before the wait for x."""
         if ROUTED:
             _pdl_wait(PDL)
         s = tl.program_id(0)
@@ -133,7 +135,8 @@ if triton is not None:
                 a = a * tl.load(s_rows + ((k + k_shift) // 128)[None, :], mask=amask, other=0.0)
             acc += w.to(tl.float32) * a[:, None, :]
         DT: tl.constexpr = out_ptr.dtype.element_ty
-        y = _round(tl.sum(acc, axis=2), DT)  # [k, BN]: each expert's output, rounded as the reference rounds it
+        # [k, BN]: each expert's output, rounded as the reference rounds it
+        y = _round(tl.sum(acc, axis=2), DT)
         y = _round(y * tl.load(wts_ptr + s, mask=jmask, other=0.0).to(tl.float32)[:, None], DT)
         total = tl.sum(tl.where(jmask[:, None], y, 0.0), axis=0)
         tl.store(out_ptr + t * out_stride + n, _round(total, DT).to(DT), mask=nmask)
@@ -147,16 +150,17 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     ids = torch.empty((n, k), dtype=torch.int32, device=logits.device)
     if n:
         block = triton.next_power_of_2(e)
-        _topk_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   RENORM=renormalize, BLOCK_E=block,
+        _topk_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k,
+                                   K_P2=triton.next_power_of_2(k), RENORM=renormalize, BLOCK_E=block,
                                    num_warps=max(1, min(4, block // 128)), **pdl_args(logits.device))
     return weights, ids
 
 
 # (output rows per program, reduction step, warps) of the few-token path, the best of a sweep of 55 and 32
-# tiles on Qwen3-30B-A3B's experts (docs/benchmarks-history.md). The fp32 partial sums stay in registers without spills
-# (compiled for sm_90 in tests/test_moe_kernels.py; the down kernel holds k = 8 times rows x step). Each shape
-# times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as kernels/gemv.py does).
+# tiles on Qwen3-30B-A3B's experts (docs/benchmarks-history.md). The fp32 partial sums stay in registers
+# without spills (compiled for sm_90 in tests/test_moe_kernels.py; the down kernel holds k = 8 times rows x
+# step). Each shape times them once on the GPU, outside any CUDA-graph capture, and keeps the fastest (as
+# kernels/gemv.py does).
 GEMV_TILES = [(1, 512, 2), (1, 1024, 4), (8, 128, 8), (8, 512, 2), (1, 256, 2), (2, 1024, 4)]
 DOWN_TILES = [(1, 128, 4), (4, 256, 4), (8, 256, 4), (1, 256, 2), (2, 128, 4), (1, 512, 4)]
 _DEFAULT = ((1, 1024, 4), (1, 512, 4))  # (gate_up, down) when there is no time to choose (a capture)
@@ -254,7 +258,8 @@ def self_test_fp8(device: torch.device) -> None:
     gu = (torch.randn(e, 2 * i, h, device=device, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
     dn = (torch.randn(e, h, i, device=device, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
     gu_s = torch.rand(e, 2 * i // 128, h // 128, device=device, generator=g) / 600 + 1e-4
-    dn_s = torch.rand(e, h // 128, 2, device=device, generator=g) / 600 + 1e-4  # columns start 64 into a block
+    # columns start 64 into a block
+    dn_s = torch.rand(e, h // 128, 2, device=device, generator=g) / 600 + 1e-4
     scales = ExpertScales(gu_s, rows(2 * i), dn_s, rows(h), 64, 128)
     gu_f = torch.stack([dequantize(gu[j], gu_s[j], rows(2 * i), 0, torch.bfloat16) for j in range(e)]).float()
     dn_f = torch.stack([dequantize(dn[j], dn_s[j], rows(h), 64, torch.bfloat16) for j in range(e)]).float()

@@ -41,8 +41,8 @@ if triton is not None:
         tl.store(ranks_ptr + s, rank, mask=mask)
 
     @triton.jit
-    def _offsets_kernel(counts_ptr, starts_ptr, total_ptr, block_expert_ptr, sorted_ptr, S, E, num_blocks, num_rows,
-                        BM: tl.constexpr, E_P2: tl.constexpr, BB: tl.constexpr, FILL: tl.constexpr):
+    def _offsets_kernel(counts_ptr, starts_ptr, total_ptr, block_expert_ptr, sorted_ptr, S, E, num_blocks,
+                        num_rows, BM: tl.constexpr, E_P2: tl.constexpr, BB: tl.constexpr, FILL: tl.constexpr):
         e = tl.arange(0, E_P2)
         counts = tl.load(counts_ptr + e, mask=e < E, other=0)
         padded = (counts + BM - 1) // BM * BM
@@ -73,9 +73,9 @@ if triton is not None:
         return _round(w.to(tl.float32) * sc, DT).to(DT)  # _round: to nearest in the interpreter too
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, I, x_stride, w_se,
-                        w_sn, act_stride, s_ptr, srow_ptr, s_se, s_sr, TOP_K: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, I, x_stride,
+                        w_se, w_sn, act_stride, s_ptr, srow_ptr, s_se, s_sr, TOP_K: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         if pid_m * BM >= tl.load(total_ptr):
@@ -102,9 +102,11 @@ if triton is not None:
             g = tl.load(gate + k[:, None], mask=wmask, other=0.0)
             u = tl.load(up + k[:, None], mask=wmask, other=0.0)
             if FP8:  # BK divides 128, so the tile's columns share one k-block
-                g = _dequantized(g, tl.load(s_ptr + e * s_se + srow_g * s_sr + k0 // 128, mask=nmask)[None, :],
+                g = _dequantized(g,
+                                 tl.load(s_ptr + e * s_se + srow_g * s_sr + k0 // 128, mask=nmask)[None, :],
                                  a.dtype)
-                u = _dequantized(u, tl.load(s_ptr + e * s_se + srow_u * s_sr + k0 // 128, mask=nmask)[None, :],
+                u = _dequantized(u,
+                                 tl.load(s_ptr + e * s_se + srow_u * s_sr + k0 // 128, mask=nmask)[None, :],
                                  a.dtype)
             # "ieee": float32 models multiply in float32, not TF32, as torch's matmul (half types ignore it)
             acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
@@ -115,9 +117,9 @@ if triton is not None:
                  mask=valid[:, None] & nmask[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, H, act_stride,
-                     w_se, w_sn, out_stride, s_ptr, srow_ptr, s_se, s_sr, k_shift, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, wts_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, S, K, H,
+                     act_stride, w_se, w_sn, out_stride, s_ptr, srow_ptr, s_se, s_sr, k_shift,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         if pid_m * BM >= tl.load(total_ptr):
@@ -211,14 +213,15 @@ def sort_by_expert(ids: torch.Tensor, experts: int, bm: int) -> Sorted:
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     block = 1024
     _count_kernel[(triton.cdiv(s, block),)](flat, counts, ranks, s, BLOCK=block, num_warps=4)
-    _offsets_kernel[(1,)](counts, starts, total, block_expert, rows, s, experts, num_blocks, rows.numel(), BM=bm,
-                          E_P2=triton.next_power_of_2(experts), BB=64, FILL=1024, num_warps=4)
+    _offsets_kernel[(1,)](counts, starts, total, block_expert, rows, s, experts, num_blocks, rows.numel(),
+                          BM=bm, E_P2=triton.next_power_of_2(experts), BB=64, FILL=1024, num_warps=4)
     _scatter_kernel[(triton.cdiv(s, block),)](flat, ranks, starts, rows, s, BLOCK=block, num_warps=4)
     return Sorted(rows, block_expert, total, num_blocks)
 
 
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor, cfg: GemmConfig | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                ids: torch.Tensor, cfg: GemmConfig | None = None,
+                scales: ExpertScales | None = None) -> torch.Tensor:
     """`scales`: FP8 experts, each weight tile dequantized in registers to the values of the dequantized
     weights, then the same GEMMs."""
 

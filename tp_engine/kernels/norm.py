@@ -1,4 +1,5 @@
-"""Norms and the MLP's activation, fused: residual add + RMSNorm, Q/K norm + RoPE + the K/V write, silu * up."""
+"""Norms and the MLP's activation, fused: residual add + RMSNorm, Q/K norm + RoPE + the K/V write,
+silu * up."""
 from __future__ import annotations
 
 import torch
@@ -90,7 +91,8 @@ if triton is not None:
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual) * weight, x + residual) for 2-D x; the first call of a model passes no residual."""
+    """(rmsnorm(x + residual) * weight, x + residual) for 2-D x; the first call of a model passes no
+    residual."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -131,8 +133,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     assert q.shape == (n, heads, head_dim) and q.is_contiguous()
     if n:
         _qk_norm_rope_store_kernel[(n, heads + 2 * kv_heads)](
-            qkv, qkv.stride(0), q, q_weight, k_weight, cos, sin, positions, k_rows, cache, eps, 1.0 / head_dim,
-            H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, num_warps=1, **pdl_args(qkv.device))
+            qkv, qkv.stride(0), q, q_weight, k_weight, cos, sin, positions, k_rows, cache, eps,
+            1.0 / head_dim, H=heads, KVH=kv_heads, D=head_dim, PAGE=page_size, num_warps=1,
+            **pdl_args(qkv.device))
     return q
 
 

@@ -25,11 +25,12 @@ if triton is not None:
         return x - _log(-_log(u))
 
     @triton.jit
-    def _argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, vocab,
-                       num_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, NOISE: tl.constexpr):
-        """The arg-max of row rows[r] of the logits (NOISE: of logits / T + Gumbel noise), torch.argmax's pick:
-        the first NaN, else the lowest id of the maximum. A program takes one chunk of the row and stores its
-        best; the row's last program to finish (an atomic counter, reset for the next call) picks among them."""
+    def _argmax_kernel(logits_ptr, stride, rows_ptr, temp_ptr, hash_ptr, val_ptr, idx_ptr, count_ptr, out_ptr,
+                       vocab, num_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, NOISE: tl.constexpr):
+        """The arg-max of row rows[r] of the logits (NOISE: of logits / T + Gumbel noise), torch.argmax's
+        pick: the first NaN, else the lowest id of the maximum. A program takes one chunk of the row and
+        stores its best; the row's last program to finish (an atomic counter, reset for the next call) picks
+        among them."""
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         if NOISE:
@@ -40,8 +41,9 @@ if triton is not None:
         mask = ids < vocab
         x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
         if NOISE:
-            x = tl.where(mask, _gumbel(tl.math.div_rn(x, tl.load(temp_ptr + r)), tl.load(hash_ptr + r).to(tl.uint32),
-                                       ids), float("-inf"))
+            x = tl.where(mask, _gumbel(tl.math.div_rn(x, tl.load(temp_ptr + r)),
+                                       tl.load(hash_ptr + r).to(tl.uint32), ids),
+                         float("-inf"))
         nan = x != x
         first_nan = tl.min(tl.where(nan, ids, vocab), axis=0)
         best, arg = tl.max(tl.where(nan, float("-inf"), x), axis=0, return_indices=True,
@@ -63,18 +65,21 @@ if triton is not None:
             tl.store(count_ptr + r, 0)
 
     @triton.jit
-    def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks, K: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        """The K largest order keys (topk_sampling.order_key of logits / temperature) of one chunk of a row."""
+    def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks,
+                          K: tl.constexpr, BLOCK: tl.constexpr):
+        """The K largest order keys (topk_sampling.order_key of logits / temperature) of one chunk of a
+        row."""
         r = tl.program_id(0)
         chunk = tl.program_id(1)
         row = tl.load(rows_ptr + r).to(tl.int64)
         temp = tl.load(temp_ptr + r)
         ids = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0).to(tl.float32), temp)
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0).to(tl.float32),
+                           temp)
         bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0
-        bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN as the positive one: first (topk_sampling.order_key)
+        # every NaN as the positive one: first (topk_sampling.order_key)
+        bits = tl.where(x != x, 0x7FC00000, bits)
         bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: negative floats reverse their order
         key = (bits.to(tl.int64) << 32) | (vocab - 1 - ids).to(tl.int64)
         smallest = -9223372036854775807 - 1  # below every real key (the largest NaN's), never a candidate
@@ -86,8 +91,8 @@ if triton is not None:
             key = tl.where(key == best, smallest, key)
 
     @triton.jit
-    def _draw_among_kernel(logits_ptr, stride, rows_ptr, temp_ptr, ids_ptr, k_ptr, p_ptr, hash_ptr, out_ptr, C,
-                           BLOCK: tl.constexpr):
+    def _draw_among_kernel(logits_ptr, stride, rows_ptr, temp_ptr, ids_ptr, k_ptr, p_ptr, hash_ptr, out_ptr,
+                           C, BLOCK: tl.constexpr):
         """topk_sampling.draw_among for one row: its C candidates (ids in rank order), top-k and top-p masks,
         Gumbel-max over what is left, the lower id on a tie."""
         r = tl.program_id(0)
@@ -112,7 +117,8 @@ if triton is not None:
         x = tl.where(before >= top_p, float("-inf"), x)
         g = _gumbel(x, tl.load(hash_ptr + r).to(tl.uint32), ids)
         none = 1 << 62
-        first_nan = tl.min(tl.where(g != g, ids, none), axis=0)  # a NaN wins, as in topk_sampling._gumbel_pick
+        # a NaN wins, as in topk_sampling._gumbel_pick
+        first_nan = tl.min(tl.where(g != g, ids, none), axis=0)
         best = tl.max(tl.where(g != g, float("-inf"), g), axis=0)
         pick = tl.min(tl.where(g == best, ids, none), axis=0)
         tl.store(out_ptr + r, tl.where(first_nan < none, first_nan, pick))
@@ -126,7 +132,8 @@ if triton is not None:
         ref = ids < 0
         tok = tl.load(last_ptr + tl.where(ref, -1 - ids, 0), mask=m & ref, other=0)
         tl.store(ids_ptr + offs, tl.where(ref, tok, ids), mask=m)
-        if ROWS:  # attention/flashinfer_backend.slot_rows: each slot's K and V rows in a [pages * 2 * S, ...] cache
+        # as attention/flashinfer_backend.slot_rows: each slot's K and V rows in a [pages * 2 * S, ...] cache
+        if ROWS:
             loc = tl.load(loc_ptr + offs, mask=m, other=0)
             k = loc + (loc // page_size) * page_size  # slots are >= 0: // is the floor division
             tl.store(k_ptr + offs, k, mask=m)
@@ -153,7 +160,8 @@ def _argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor
     noise = temperatures is not None
     _argmax_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures if noise else rows,
                                 row_hash if noise else rows, vals, idx, count, out, vocab, chunks,
-                                BLOCK=ARGMAX_BLOCK, CHUNKS=triton.next_power_of_2(chunks), NOISE=noise, num_warps=8)
+                                BLOCK=ARGMAX_BLOCK, CHUNKS=triton.next_power_of_2(chunks), NOISE=noise,
+                                num_warps=8)
     return out
 
 
@@ -168,8 +176,8 @@ def gumbel_argmax(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.
                   row_hash: torch.Tensor) -> torch.Tensor:
     """argmax over the vocab of logits[rows] / T + Gumbel noise from the sampler's hash; returns [R] int64.
 
-    rows: [R] int64 row indices into logits ([B, vocab], as in `argmax`); temperatures: [R] fp32; row_hash: [R] int64,
-    the per-row hash `sampler.uniform_noise` starts from.
+    rows: [R] int64 row indices into logits ([B, vocab], as in `argmax`); temperatures: [R] fp32;
+    row_hash: [R] int64, the per-row hash `sampler.uniform_noise` starts from.
     """
     return _argmax(logits, rows, temperatures, row_hash)
 
@@ -178,10 +186,11 @@ TOPK_BLOCK = 2048
 TOPK_MAX_K = 64  # beyond this the sampler ranks the whole row with torch.topk (topk_sampling.candidate_draw)
 
 
-def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids [R, k] of the k largest values of logits[rows] / temperatures[:, None], largest first and the
-    lower id first among equal values: exactly topk_sampling's order, read from the logits once. Each chunk of
-    a row keeps its own k best keys, then torch.topk ranks the R x chunks x k survivors."""
+def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
+                    k: int) -> torch.Tensor:
+    """The ids [R, k] of the k largest values of logits[rows] / temperatures[:, None], largest first and
+    the lower id first among equal values: exactly topk_sampling's order, read from the logits once. Each
+    chunk of a row keeps its own k best keys, then torch.topk ranks the R x chunks x k survivors."""
     vocab = logits.shape[-1]
     assert logits.stride(-1) == 1 and logits.is_floating_point() and 1 <= k <= min(TOPK_MAX_K, vocab)
     r = rows.numel()
@@ -201,19 +210,19 @@ def draw_among(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Ten
     r, c = ids.shape
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r:
-        _draw_among_kernel[(r,)](logits, logits.stride(0), rows, temperatures, ids, top_k, top_p, row_hash, out, c,
-                                 BLOCK=max(16, triton.next_power_of_2(c)), num_warps=1)
+        _draw_among_kernel[(r,)](logits, logits.stride(0), rows, temperatures, ids, top_k, top_p, row_hash,
+                                 out, c, BLOCK=max(16, triton.next_power_of_2(c)), num_warps=1)
     return out
 
 
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
-    """In place: each id < 0 becomes last[-1 - id] (step_tokens.resolve), in one kernel. slots: (out_loc, page_size,
-    k_rows, v_rows) also fills k_rows and v_rows as attention/flashinfer_backend.slot_rows does, in the same
-    kernel (a decode graph's first launch)."""
+    """In place: each id < 0 becomes last[-1 - id] (step_tokens.resolve), in one kernel. slots:
+    (out_loc, page_size, k_rows, v_rows) also fills k_rows and v_rows as
+    attention/flashinfer_backend.slot_rows does, in the same kernel (a decode graph's first launch)."""
     n = ids.numel()
     if n:
         loc, page_size, k_rows, v_rows = slots if slots is not None else (ids, 1, ids, ids)
         assert loc.numel() == k_rows.numel() == v_rows.numel() == n
-        _resolve_tokens_kernel[(1,)](ids, last, loc, k_rows, v_rows, n, page_size, BLOCK=triton.next_power_of_2(n),
-                                     ROWS=slots is not None)
+        _resolve_tokens_kernel[(1,)](ids, last, loc, k_rows, v_rows, n, page_size,
+                                     BLOCK=triton.next_power_of_2(n), ROWS=slots is not None)
     return ids
