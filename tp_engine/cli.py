@@ -49,7 +49,8 @@ def describe_keys() -> str:
 
 def make_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Tensor-parallel Qwen3 generation.",
-                                epilog=EXAMPLES + describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=EXAMPLES + describe_keys(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set sampling.max_new_tokens=32")
@@ -85,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
         _STOPPING.acquire(blocking=False)  # a signal now (torchrun's, as the others stop) must not hide why
         message = failure_report() or f"{type(e).__name__}: {e}"  # a stuck push all-reduce stops its kernel
-        if isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection reset by peer", "closed by peer")):
+        lost = ("Connection reset by peer", "closed by peer")
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in lost):
+            # its traceback would only show where this rank was waiting
             message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; the launcher " \
-                "names it"  # its traceback would only show where this rank was waiting
+                "names it"
         elif isinstance(e, RuntimeError) and "Timed out waiting" in str(e) and "timeout_s" not in str(e):
             # gloo's own words; a message of the engine's that names timeout_s already says what waited
             message = f"another rank did not join a collective within timeout_s ({cfg['timeout_s']} s; " \
@@ -117,22 +120,24 @@ class Preflight:
         encoder = PromptEncoder.from_config(cfg)
         encoder.check_stop_strings(cfg["sampling"]["stop"])
         if shown:
-            target = check_target(shown, {"config file": self.config_path, "prompts_file": cfg["prompts_file"]},
-                                  cfg["model"])
+            others = {"config file": self.config_path, "prompts_file": cfg["prompts_file"]}
+            target = check_target(shown, others, cfg["model"])
             self.lock = OutputLock(target, shown)
         self.encoded = encoder.encode_all(self.prompts)
-        from tp_engine.checkpoint.model_config import ModelConfig  # it needs torch: only once the config is good
+        # it needs torch: imported only once the config is good
+        from tp_engine.checkpoint.model_config import ModelConfig
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
-        settings = run_settings(cfg, dtype, int(os.environ.get("WORLD_SIZE", "1")), mc.max_position_embeddings,
-                                mc.quant is not None)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        settings = run_settings(cfg, dtype, world, mc.max_position_embeddings, mc.quant is not None)
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
             done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])
         elif target is not None and cfg["resume"]:  # a relative output, say, from another working directory
             log.warning("resume: %s does not exist%s: nothing to resume, every prompt runs", shown,
                         f" ({target})" if str(target) != shown else "")
-        self.sink = ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None)
+        decode = encoder.decode if encoder.tokenizer else None
+        self.sink = ResultSink(target, shown, settings, done, retry, decode)
 
 
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
@@ -142,8 +147,8 @@ _STOPPING = threading.Lock()  # held by whatever ends this rank early: a signal'
 
 
 def release_output() -> None:
-    """Remove the output's lock file and the empty folders this run made: at the end, at a refusal, at a signal
-    or a failure (the lock itself goes with the process, but its file would stay)."""
+    """Remove the output's lock file and the empty folders this run made: at the end, at a refusal, at a
+    signal or a failure (the lock itself goes with the process, but its file would stay)."""
     if _PREFLIGHT is not None and _PREFLIGHT.lock is not None:
         _PREFLIGHT.lock.release()
 
@@ -163,12 +168,13 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         return finish(llm, 0)
     sink = _SINK = preflight.sink
     n = cfg["sampling"]["n"]
-    progress = Progress(len(prompts) * n - len(sink.done_keys), cfg["progress"] and not quiet and not cfg["stream"])
+    show_progress = cfg["progress"] and not quiet and not cfg["stream"]
+    progress = Progress(len(prompts) * n - len(sink.done_keys), show_progress)
     streamer = None
     if cfg["stream"]:
         if len(prompts) * n != 1:
-            log.warning("stream: true prints text for a single prompt and sample only; %d prompts x %d samples given",
-                        len(prompts), n)
+            log.warning("stream: true prints text for a single prompt and sample only; "
+                        "%d prompts x %d samples given", len(prompts), n)
         else:
             streamer = Streamer()
 
@@ -186,8 +192,8 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
 
     t0 = time.perf_counter()
     # no output is kept here: the sink has each one (a job of any length runs in bounded memory)
-    llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token, encoded=preflight.encoded,
-                 return_outputs=False)
+    llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token,
+                 encoded=preflight.encoded, return_outputs=False)
     seconds = time.perf_counter() - t0
     sink.close()
     if _LATE:
@@ -220,7 +226,7 @@ def finish(llm, code: int) -> int:
 
 
 def fail(rank: int, message: str, code: int, always: bool = False) -> int:
-    """Print `message` once (rank 0, or any rank when `always`) and leave it where torchrun's summary finds it.
+    """Print `message` once (rank 0, or any rank when `always`), and leave it for torchrun's summary.
 
     The other ranks usually fail the same way at the same moment. They wait a little before exiting, so
     that torchrun, which stops the job when the first rank exits, does not kill rank 0 before it has
@@ -228,8 +234,8 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun shows this as the root cause instead of a pointer to its docs
         with open(error_file, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                      "timestamp": str(int(time.time()))}}}, f)
+            extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
     if rank == 0 or always:
         print(f"error: {message}", file=sys.stderr)
     else:
@@ -240,8 +246,8 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
 
 
 def install_signal_handlers(rank: int) -> None:
-    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or, without
-    an output file, prints them to stdout before it exits."""
+    """SIGINT/SIGTERM end the job at once: rank 0 has already flushed every finished result to disk, or,
+    without an output file, prints them to stdout before it exits."""
     # close() is printing the results to stdout, or has printed them all
     printing = lambda: rank == 0 and _SINK is not None and _SINK.printing and not _SINK.printed  # noqa: E731
     printed = lambda: rank == 0 and _SINK is not None and _SINK.printed  # noqa: E731
@@ -255,7 +261,8 @@ def install_signal_handlers(rank: int) -> None:
         if not _STOPPING.acquire(blocking=False):
             return  # already stopping (a second Ctrl-C, the other thread below, or a failure)
         if printed():  # after run() looked for a late signal
-            print(f"\nstopped by {signal.Signals(signum).name} after the results were printed", file=sys.stderr)
+            name = signal.Signals(signum).name
+            print(f"\nstopped by {name} after the results were printed", file=sys.stderr)
         elif rank == 0:
             where = _SINK.on_stop() if _SINK is not None else "no result had finished"
             print(f"\nstopped by {signal.Signals(signum).name}: {where}", file=sys.stderr)

@@ -58,41 +58,48 @@ def sampling_params_from(cfg: dict) -> SamplingParams:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, config: str | None = None, overrides: list[str] | None = None,
-                 preflight: Callable[[Any], None] | None = None, **options: Any) -> None:
-        """Options are config keys (see docs/configuration.md), nested as keyword dicts: kv_cache={"num_pages": 64}.
+    def __init__(self, model: str | None = None, config: str | None = None,
+                 overrides: list[str] | None = None, preflight: Callable[[Any], None] | None = None,
+                 **options: Any) -> None:
+        """Options are config keys (see docs/configuration.md), nested as keyword dicts:
+        kv_cache={"num_pages": 64}.
 
         `preflight(device)`, if given, runs on rank 0 before any rank loads weights (the command line checks
         its output file and prompts there); a ValueError or OSError from it stops every rank at start-up."""
         if model is not None:
             options["model"] = os.fspath(model) if isinstance(model, os.PathLike) else model
         if isinstance(overrides, str):  # its characters would be read as one override each
-            raise TypeError(f"overrides must be a list of 'key=value' strings; got the string {overrides!r}")
+            raise TypeError(
+                f"overrides must be a list of 'key=value' strings; got the string {overrides!r}")
         self.cfg = C.build_config(config, overrides, **options)
         exit_with_launcher()
-        # An engine dropped by the caller keeps its memory (weights, KV cache, CUDA graphs) in reference cycles
-        # until the collector runs: free it before this one loads and sizes its KV pool from the free memory.
+        # An engine dropped by the caller keeps its memory (weights, KV cache, CUDA graphs) in
+        # reference cycles until the collector runs: free it before this one loads and sizes its
+        # KV pool from the free memory.
         gc.collect()
         self.engine = Engine(self.cfg, preflight)
         _OPEN[0] += 1
-        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)  # see shutdown()
+        # see shutdown()
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
         self.rank0 = self.tp.is_first
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
-        cli_only = [k for k in ("prompts", "prompts_file", "output", "resume", "stream", "fail_on_prompt_error")
-                    if self.cfg[k]]
+        cli_keys = ("prompts", "prompts_file", "output", "resume", "stream", "fail_on_prompt_error")
+        cli_only = [k for k in cli_keys if self.cfg[k]]
         if self.rank0 and preflight is None and cli_only:  # a config file shared with the command line, say
-            log.warning("config keys %s are read by the command line only: LLM ignores them", ", ".join(cli_only))
+            log.warning("config keys %s are read by the command line only: LLM ignores them",
+                        ", ".join(cli_only))
         unapplied = unapplied_warning(self.cfg["model"]) if self.rank0 else None
         if unapplied:  # here, not where the config is built: every rank builds it, the command line twice
             log.warning("%s", unapplied)
-        if self.rank0 and not self.engine.model_cfg.eos_token_ids:  # e.g. a config written with eos_token_id null
+        # e.g. a config written with eos_token_id null
+        if self.rank0 and not self.engine.model_cfg.eos_token_ids:
             eos = getattr(self.tokenizer, "eos_token", None)
-            log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only at "
-                        "max_new_tokens, a stop string or stop_token_ids%s", self.cfg["model"],
+            log.warning("%s/config.json and generation_config.json name no eos_token_id: requests end only "
+                        "at max_new_tokens, a stop string or stop_token_ids%s", self.cfg["model"],
                         f" (the tokenizer's eos_token is {eos!r})" if eos else "")
 
     # ---- text <-> ids (rank 0 only) ----
@@ -115,23 +122,23 @@ class LLM:
                  on_token: Callable[[TokenUpdate], None] | None = None,
                  encoded: list[Sequence[int] | PromptError] | None = None,
                  return_outputs: bool = True) -> list[dict] | None:
-        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and sample (not
-        skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order; the other
-        ranks follow rank 0's steps and return None. `on_finish(output)` is called on
-        rank 0 as each request completes (in completion order), `on_token(update)` as each request gets a
-        token (a TokenUpdate: its index, sample, token ids and text so far). `encoded` (rank 0): the prompts'
-        ids or errors, already computed (the command line encodes before the weights load); `prompts` is then
-        the list they came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
+        """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and
+        sample (not skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order;
+        the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on rank 0 as
+        each request completes (in completion order), `on_token(update)` as each request gets a token (a
+        TokenUpdate: its index, sample, token ids and text so far). `encoded` (rank 0): the prompts' ids or
+        errors, already computed (the command line encodes before the weights load); `prompts` is then the
+        list they came from, item for item (`[5, 6, 7]` is three prompts there, not one of token ids).
         `return_outputs=False`: rank 0 returns None too and keeps no output once `on_finish` has had it, so
         that a job of any length holds only the requests in flight.
 
-        If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves the
-        call and the engine stays usable. One inside a step that the ranks share leaves them out of step: the
-        engine then refuses every later call."""
+        If an exception ends the call on rank 0 between steps (a callback raised, say), every rank leaves
+        the call and the engine stays usable. One inside a step that the ranks share leaves them out of
+        step: the engine then refuses every later call."""
         # Checks that can fail run on every rank before any collective, so all ranks fail alike.
         if self._generating:  # from a callback: a second run would take the pages and tables of the first
-            raise RuntimeError("generate() was called from a callback of a generate() call that is still running; "
-                               "call it after that one returns")
+            raise RuntimeError("generate() was called from a callback of a generate() call that is still "
+                               "running; call it after that one returns")
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new LLM to generate again")
         self.engine.check_usable()
@@ -166,7 +173,7 @@ class LLM:
                 on_finish(out)
 
         def requests() -> Iterator[RequestOutput]:
-            """Made as the scheduler has room for them: a finished one is then dropped, not kept to the end."""
+            """Made as the scheduler has room for them: a finished one is dropped, not kept to the end."""
             for i, prompt in enumerate(prompts):
                 samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
                 if not samples:
@@ -215,7 +222,8 @@ class LLM:
     def output(self, req: RequestOutput, chat: bool = False) -> dict:
         """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
         output may hold a think block to split off as `reasoning`)."""
-        out = {"index": req.index, "sample": req.sample, "prompt_token_ids": list(req.prompt_ids),  # its own list
+        out = {"index": req.index, "sample": req.sample,
+               "prompt_token_ids": list(req.prompt_ids),  # its own list
                "output_token_ids": req.output_ids,
                "text": req.text if req.text is not None else self.decode(req.output_ids),
                "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}

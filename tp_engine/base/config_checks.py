@@ -1,5 +1,5 @@
-"""The range and content checks of the config's keys (`check` in config.SCHEMA): each takes a value of its
-key's type and says what is wrong with it, or returns None."""
+"""The range and content checks of the config's keys (`check` in config_schema.SCHEMA): each takes a value of
+its key's type and says what is wrong with it, or returns None."""
 from __future__ import annotations
 
 import math

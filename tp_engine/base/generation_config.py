@@ -17,9 +17,9 @@ from typing import Any
 from tp_engine.base.textio import read_json_object
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-# Fields transformers' generate applies that this engine does not (its logits processors, beam search), with
-# the value that leaves the tokens alone (null too): a file with another value gets a warning, since the tokens
-# differ. All but the SAMPLING_ONLY ones act in greedy decoding too.
+# Fields transformers' generate applies that this engine does not (its logits processors, beam search),
+# with the value that leaves the tokens alone (null too): a file with another value gets a warning, since
+# the tokens differ. All but the SAMPLING_ONLY ones act in greedy decoding too.
 UNAPPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "sequence_bias": [], "bad_words_ids": [],
              "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
              "remove_invalid_values": False, "exponential_decay_length_penalty": None, "suppress_tokens": [],
@@ -88,9 +88,10 @@ def unapplied_warning(model_dir: str) -> str | None:
 
 
 def apply_sampling_defaults(cfg: dict, explicit: set[str]) -> None:
-    """cfg's sampling keys that are not in `explicit` (dotted keys the user set) take the checkpoint's values."""
+    """cfg's sampling keys that are not in `explicit` (dotted keys the user set) take the
+    checkpoint's values."""
     applied = {k: v for k, v in sampling_defaults(cfg["model"]).items() if f"sampling.{k}" not in explicit}
     if applied:
         cfg["sampling"].update(applied)
-        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s", cfg["model"],
-                 ", ".join(f"{k}={v}" for k, v in applied.items()))
+        log.info("sampling defaults from %s/generation_config.json (keys not set in the config): %s",
+                 cfg["model"], ", ".join(f"{k}={v}" for k, v in applied.items()))

@@ -18,7 +18,8 @@ def decode_utf8(data: bytes, where: str, error: type[Exception] = ValueError) ->
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise error(f"{where} line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column})") from None
+        raise error(f"{where} line {line}: not valid UTF-8 "
+                    f"(byte 0x{data[e.start]:02x} at column {column})") from None
     return text.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the content
 
 
@@ -88,9 +89,9 @@ class _StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
                                                         "found unhashable key", key_node.start_mark)
             if key in seen:
+                lines = f"lines {seen[key]} and {key_node.start_mark.line + 1}"
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key '{key}' is given twice (lines {seen[key]} and {key_node.start_mark.line + 1})",
-                    key_node.start_mark)
+                    None, None, f"key '{key}' is given twice ({lines})", key_node.start_mark)
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

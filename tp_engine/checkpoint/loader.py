@@ -32,15 +32,17 @@ class SliceSource:
         if dtype not in FLOAT_DTYPES and not (fp8 and dtype == FP8_DTYPE):
             allowed = ", ".join([*FLOAT_DTYPES.values(), *(["float8_e4m3fn"] if fp8 else [])])
             hint = ("; float8 weights with weight_scale_inv belong only to the linear layers of a block-FP8 "
-                    "checkpoint (its quantization_config in config.json, the module not in modules_to_not_convert): "
-                    "embeddings, norms, the LM head and the MoE router stay unquantized"
+                    "checkpoint (its quantization_config in config.json, the module not in "
+                    "modules_to_not_convert): embeddings, norms, the LM head and the MoE router stay "
+                    "unquantized"
                     if dtype == FP8_DTYPE and not fp8 else "")
             raise ValueError(f"dtype {dtype} is not supported; weights must be {allowed}{hint}")
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)
         t = self.slice[index]
-        if t.dtype == torch.float8_e4m3fn:  # no infinities in e4m3fn; NaN is every bit of exponent and mantissa set
+        # no infinities in e4m3fn; NaN is every bit of exponent and mantissa set
+        if t.dtype == torch.float8_e4m3fn:
             if t.numel() and ((t.view(torch.uint8) & 0x7F) == 0x7F).any():
                 raise ValueError("holds NaN values")
         elif t.numel():
@@ -92,7 +94,8 @@ def checkpoint_files(model_dir: str) -> list[Path]:
         files = sorted(root.glob("*.safetensors"))
         gone = "is not a readable file (a link whose target is gone?)"
     if not files:
-        raise CheckpointError(f"no *.safetensors weights in {model_dir} (set load_format: dummy for random weights)")
+        raise CheckpointError(
+            f"no *.safetensors weights in {model_dir} (set load_format: dummy for random weights)")
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} {gone}")
@@ -145,10 +148,12 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                         unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
                         hint = ("; the checkpoint is quantized, but config.json has no quantization_config"
                                 if name.endswith(".weight_scale_inv") and unquantized else "")
-                        if name.rpartition(".")[0].endswith(".mlp.experts"):  # mlp.experts.gate_up_proj: no expert id
-                            hint = ("; the checkpoint stores each layer's experts fused in one tensor, this engine "
-                                    "loads one per expert (mlp.experts.E.gate_proj.weight, up_proj, down_proj), as "
-                                    "Qwen's releases and transformers' save_pretrained write them")
+                        # mlp.experts.gate_up_proj: no expert id
+                        if name.rpartition(".")[0].endswith(".mlp.experts"):
+                            hint = ("; the checkpoint stores each layer's experts fused in one tensor, this "
+                                    "engine loads one per expert (mlp.experts.E.gate_proj.weight, up_proj, "
+                                    "down_proj), as Qwen's releases and transformers' save_pretrained write "
+                                    "them")
                         raise CheckpointError(f"unexpected tensor '{name}' in {file.name}{hint}")
                     if name in seen:  # which copy transformers takes depends on its version: refuse both
                         raise CheckpointError(f"tensor '{name}' is in both {seen[name]} and {file.name}")

@@ -3,7 +3,6 @@ model's, and the experts' of Qwen3-MoE), and checks that the model is one this e
 across the TP size."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +10,8 @@ from typing import Any
 
 from tp_engine.base.textio import read_json_object
 
+from tp_engine.checkpoint.model_config_checks import ModelError, check_eos, check_field_types
 from tp_engine.checkpoint.quant import QuantConfig
-
-
-class ModelError(ValueError):
-    """A problem with the checkpoint's config.json or its fit to the TP size."""
 
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type -> class name
@@ -50,36 +46,44 @@ class ModelConfig:
         return cls.from_dict(_read_json(path), str(path), _generation_eos(Path(model_dir)))
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "config.json", extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
+    def from_dict(cls, raw: dict, where: str = "config.json",
+                  extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
         check_field_types(raw, where)
         arch = raw.get("architectures") or []
-        kind = raw.get("model_type") or {v: k for k, v in ARCHITECTURES.items()}.get(arch[0] if arch else None, "qwen3")
-        runs = "this engine runs Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM (model_type qwen3_moe)"
+        kind_of_arch = {v: k for k, v in ARCHITECTURES.items()}
+        kind = raw.get("model_type") or kind_of_arch.get(arch[0] if arch else None, "qwen3")
+        runs = ("this engine runs Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM "
+                "(model_type qwen3_moe)")
         if arch and arch[0] not in ARCHITECTURES.values():
             raise ModelError(f"{where}: unsupported architecture {arch!r}; {runs}")
         if kind not in ARCHITECTURES:
             raise ModelError(f"{where}: unsupported model_type {kind!r}; {runs}")
         if arch and arch[0] != ARCHITECTURES[kind]:
-            raise ModelError(f"{where}: model_type {kind!r} does not match architectures {arch!r}; {runs}")
-        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+            raise ModelError(
+                f"{where}: model_type {kind!r} does not match architectures {arch!r}; {runs}")
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"]
         missing = [k for k in required if k not in raw]
         if missing:
             raise ModelError(f"{where} is missing required field(s): {', '.join(missing)}")
         sliding = _first_sliding_layer(raw, kind)
         if sliding is not None:
-            raise ModelError(f"{where}: sliding-window attention is not supported (use_sliding_window=true with "
-                             f"sliding_window={raw.get('sliding_window', 4096)} makes layer {sliding} use it)")
+            raise ModelError(f"{where}: sliding-window attention is not supported (use_sliding_window=true "
+                             f"with sliding_window={raw.get('sliding_window', 4096)} makes layer {sliding} "
+                             "use it)")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (only silu)")
         heads = raw["num_attention_heads"]
-        # transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests them in rope_parameters. A
-        # rope_scaling beside rope_parameters (YaRN added as Qwen's model cards say) replaces it in both versions.
+        # transformers 4.x writes rope_theta/rope_scaling at the top level, 5.x nests them in
+        # rope_parameters. A rope_scaling beside rope_parameters (YaRN added as Qwen's model cards say)
+        # replaces it in both versions.
         rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type != "default":
-            raise ModelError(f"{where}: rope scaling type {rope_type!r} is not supported (only default RoPE)")
+            raise ModelError(
+                f"{where}: rope scaling type {rope_type!r} is not supported (only default RoPE)")
         try:
             quant = QuantConfig.from_dict(raw.get("quantization_config"))
         except ValueError as e:
@@ -90,9 +94,11 @@ class ModelConfig:
         kv = raw.get("num_key_value_heads", 4 if kind == "qwen3_moe" else 32) or heads
         head_dim = raw.get("head_dim", None if kind == "qwen3_moe" else 128) or raw["hidden_size"] // heads
         if heads % kv:  # each KV head serves a whole group of query heads
-            raise ModelError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+            raise ModelError(
+                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
         if head_dim % 2:
-            raise ModelError(f"{where}: head_dim={head_dim} must be even (RoPE rotates pairs of dimensions)")
+            raise ModelError(
+                f"{where}: head_dim={head_dim} must be even (RoPE rotates pairs of dimensions)")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -130,8 +136,8 @@ class ModelConfig:
     def check_tp(self, tp: int) -> None:
         """Fail early, naming the numbers, when the heads cannot be split across `tp` ranks."""
         if self.num_heads % tp:
-            raise ModelError(f"cannot split num_attention_heads={self.num_heads} across tensor-parallel size {tp}: "
-                             "it must divide evenly")
+            raise ModelError(f"cannot split num_attention_heads={self.num_heads} across tensor-parallel size "
+                             f"{tp}: it must divide evenly")
         kv = self.num_kv_heads
         if kv % tp and tp % kv:
             raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
@@ -139,26 +145,30 @@ class ModelConfig:
         # each inner size must split only where a layer uses it (transformers runs the others as it does)
         sparse = [self.moe is not None and self.moe.is_sparse(i) for i in range(self.num_layers)]
         if not all(sparse) and self.intermediate_size % tp:
-            raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across tensor-parallel "
-                             f"size {tp}: it must divide evenly")
+            raise ModelError(f"cannot split intermediate_size={self.intermediate_size} across "
+                             f"tensor-parallel size {tp}: it must divide evenly")
         if any(sparse):
             self.moe.check_tp(tp)
 
     def too_big(self, error: Exception, device: Any, tp: int, itemsize: int) -> str:
-        """What to say when the model ran out of memory as it was built (torch's `error`): config.json's sizes
-        and about what they weigh."""
-        asked = re.search(r"ried to allocate (\d[\d.]* ?[A-Za-z]+)", str(error))  # torch's CPU and CUDA wording
+        """What to say when the model ran out of memory as it was built (torch's `error`): config.json's
+        sizes and about what they weigh."""
+        # torch's CPU and CUDA wording
+        asked = re.search(r"ried to allocate (\d[\d.]* ?[A-Za-z]+)", str(error))
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inner = [self.moe.num_experts * self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(i)
-                 else self.intermediate_size for i in range(self.num_layers)]
+        inner = [self.moe.num_experts * self.moe.intermediate_size
+                 if self.moe is not None and self.moe.is_sparse(i) else self.intermediate_size
+                 for i in range(self.num_layers)]
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         lin = self.num_layers * h * (2 * q + 2 * kv) + 3 * h * sum(inner)  # one byte each in block-FP8
-        params, weight_bytes = emb + lin, emb * itemsize + lin * (1 if self.quant is not None else itemsize)
-        return (f"the model does not fit in {device} memory{f' (it asked for {asked[1]} at once)' if asked else ''}: "
-                f"vocab_size {self.vocab_size}, hidden_size {h}, intermediate_size {self.intermediate_size} and "
-                f"num_hidden_layers {self.num_layers} make about {params / 1e9:.3g}B parameters, "
-                f"{weight_bytes / tp / 2**30:.3g} GiB a rank at TP {tp}; use more ranks or FP8 weights, or check "
-                "those sizes")
+        params = emb + lin
+        weight_bytes = emb * itemsize + lin * (1 if self.quant is not None else itemsize)
+        at_once = f" (it asked for {asked[1]} at once)" if asked else ""
+        return (f"the model does not fit in {device} memory{at_once}: "
+                f"vocab_size {self.vocab_size}, hidden_size {h}, intermediate_size {self.intermediate_size} "
+                f"and num_hidden_layers {self.num_layers} make about {params / 1e9:.3g}B parameters, "
+                f"{weight_bytes / tp / 2**30:.3g} GiB a rank at TP {tp}; use more ranks or FP8 weights, "
+                "or check those sizes")
 
 
 def _first_sliding_layer(raw: dict, kind: str) -> int | None:
@@ -166,7 +176,8 @@ def _first_sliding_layer(raw: dict, kind: str) -> int | None:
     use_sliding_window and a sliding_window (Qwen3's configs have sliding_window null); else every layer of
     Qwen3-MoE, and the dense model's layers that `layer_types` marks, or without it those from
     max_window_layers (default 28) on."""
-    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:  # absent: transformers' 4096
+    # sliding_window absent: transformers' 4096
+    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:
         return None
     if kind == "qwen3_moe":
         return 0
@@ -182,7 +193,7 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
     if not path.is_file():
         return ()
     raw = _read_json(path)
-    _check_eos(raw, str(path))
+    check_eos(raw, str(path))
     eos = raw.get("eos_token_id")
     return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
@@ -201,16 +212,20 @@ class MoeConfig:
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "MoeConfig":
         experts = raw.get("num_experts", raw.get("num_local_experts"))
-        missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", raw.get("num_experts_per_tok")),
-                                  ("moe_intermediate_size", raw.get("moe_intermediate_size"))) if v is None]
+        required = (("num_experts", experts),
+                    ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                    ("moe_intermediate_size", raw.get("moe_intermediate_size")))
+        missing = [k for k, v in required if v is None]
         if missing:
             raise ModelError(f"{where} is missing required field(s): {', '.join(missing)}")
         moe = cls(num_experts=experts, top_k=raw["num_experts_per_tok"],
-                  intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                  intermediate_size=raw["moe_intermediate_size"],
+                  norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                   decoder_sparse_step=raw.get("decoder_sparse_step", 1),
                   mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
         if experts and not 1 <= moe.top_k <= experts:
-            raise ModelError(f"{where}: num_experts_per_tok={moe.top_k} must be between 1 and num_experts={experts}")
+            raise ModelError(
+                f"{where}: num_experts_per_tok={moe.top_k} must be between 1 and num_experts={experts}")
         if moe.decoder_sparse_step < 1:
             raise ModelError(f"{where}: decoder_sparse_step={moe.decoder_sparse_step} must be >= 1")
         return moe
@@ -223,76 +238,9 @@ class MoeConfig:
     def check_tp(self, tp: int) -> None:
         # every rank holds a slice of every expert's inner dimension (docs/tensor-parallelism.md)
         if self.intermediate_size % tp:
-            raise ModelError(f"cannot split moe_intermediate_size={self.intermediate_size} across tensor-parallel "
-                             f"size {tp}: it must divide evenly")
+            raise ModelError(f"cannot split moe_intermediate_size={self.intermediate_size} across "
+                             f"tensor-parallel size {tp}: it must divide evenly")
 
 
 def _read_json(path: Path) -> dict:
     return read_json_object(path, ModelError)
-
-
-# The config.json fields the engine reads, by type. Without these checks a wrong type ("4" for 4, null for a
-# number) fails later as a TypeError that names neither the file nor the field.
-_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
-               "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
-_DERIVED_WHEN_NULL = ("num_key_value_heads", "head_dim")  # null: from num_attention_heads and hidden_size
-_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
-_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "norm_topk_prob")
-_OPTIONAL_STR_FIELDS = ("model_type", "hidden_act", "dtype", "torch_dtype")
-_OPTIONAL_DICT_FIELDS = ("rope_parameters", "rope_scaling")
-
-
-def check_field_types(raw: Any, where: str) -> None:
-    """Raise ModelError naming `where` (config.json) and the field when a field the engine reads has the
-    wrong type or an impossible value."""
-    if not isinstance(raw, dict):
-        raise ModelError(f"{where} must hold a JSON object, got {type(raw).__name__}")
-
-    def bad(field: str, value: Any, want: str) -> ModelError:
-        return ModelError(f"{where}: field '{field}' must be {want}, got {json.dumps(value)}")
-
-    for f in _INT_FIELDS:
-        v = raw.get(f)
-        if f in raw and not (v is None and f in _DERIVED_WHEN_NULL) and not (_is_int(v) and v >= 1):
-            raise bad(f, v, "an integer >= 1")
-    floats = [(f, raw[f]) for f in _FLOAT_FIELDS if f in raw]
-    for key in _OPTIONAL_DICT_FIELDS:
-        rope = raw.get(key)
-        if isinstance(rope, dict) and "rope_theta" in rope:
-            floats.append((f"{key}.rope_theta", rope["rope_theta"]))
-    for f, v in floats:
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
-            raise bad(f, v, "a positive number")
-    for f in _BOOL_FIELDS:
-        if f in raw and not isinstance(raw[f], bool):
-            raise bad(f, raw[f], "true or false")
-    for f in _OPTIONAL_STR_FIELDS:
-        if raw.get(f) is not None and not isinstance(raw[f], str):
-            raise bad(f, raw[f], "a string")
-    for f in _OPTIONAL_DICT_FIELDS:
-        if raw.get(f) is not None and not isinstance(raw[f], dict):
-            raise bad(f, raw[f], "an object")
-    layers = raw.get("mlp_only_layers")
-    if layers is not None and not (isinstance(layers, list) and all(_is_int(i) and i >= 0 for i in layers)):
-        raise bad("mlp_only_layers", layers, "a list of layer numbers")
-    window_layers = raw.get("max_window_layers")
-    if window_layers is not None and not (_is_int(window_layers) and window_layers >= 0):
-        raise bad("max_window_layers", window_layers, "an integer >= 0")
-    for f in ("layer_types", "architectures"):
-        v = raw.get(f)
-        if v is not None and not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
-            raise bad(f, v, "a list of strings")
-    _check_eos(raw, where)
-
-
-def _check_eos(raw: dict, where: str) -> None:
-    eos = raw.get("eos_token_id")
-    if eos is not None and not (_is_int(eos) and eos >= 0) and \
-            not (isinstance(eos, list) and all(_is_int(e) and e >= 0 for e in eos)):
-        raise ModelError(f"{where}: field 'eos_token_id' must be a token id or a list of token ids, "
-                         f"got {json.dumps(eos)}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -24,8 +24,9 @@ QWEN_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method"
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """config.json's `quantization_config`, once checked: block-FP8 weights (e4m3, 128 x 128 blocks, dynamic
-    activations). `modules_to_not_convert`: module names (checkpoint naming) whose linears stay unquantized."""
+    """config.json's `quantization_config`, once checked: block-FP8 weights (e4m3, 128 x 128 blocks,
+    dynamic activations). `modules_to_not_convert`: module names (checkpoint naming) whose linears stay
+    unquantized."""
 
     block: tuple[int, int] = (BLOCK, BLOCK)
     modules_to_not_convert: tuple[str, ...] = ()
@@ -39,15 +40,17 @@ class QuantConfig:
             raise ValueError(f"quantization_config must be a mapping, got {raw!r}")
         method = raw.get("quant_method")
         if method != "fp8":
-            raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine loads "
-                             "block-quantized FP8 checkpoints (quant_method fp8, as Qwen's *-FP8 releases)")
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine "
+                             "loads block-quantized FP8 checkpoints (quant_method fp8, as Qwen's *-FP8 "
+                             "releases)")
         fmt = raw.get("fmt", "e4m3")  # transformers' own FP8 config has no fmt: its weights are e4m3
         if fmt != "e4m3":
-            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3: float8_e4m3fn weights)")
+            raise ValueError(
+                f"quantization_config.fmt {fmt!r} is not supported (only e4m3: float8_e4m3fn weights)")
         scheme = raw.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
-            raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported (only dynamic: "
-                             "no activation scales in the checkpoint)")
+            raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported "
+                             "(only dynamic: no activation scales in the checkpoint)")
         block = raw.get("weight_block_size")
         if block is None:
             raise ValueError("quantization_config.weight_block_size is missing: only block-quantized FP8 "
@@ -57,7 +60,8 @@ class QuantConfig:
                              f"[{BLOCK}, {BLOCK}])")
         skip = raw.get("modules_to_not_convert") or ()
         if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
-            raise ValueError(f"quantization_config.modules_to_not_convert must be a list of module names, got {skip!r}")
+            raise ValueError("quantization_config.modules_to_not_convert must be a list of module names, "
+                             f"got {skip!r}")
         return cls(modules_to_not_convert=tuple(skip))
 
     def skips(self, module: str) -> bool:

@@ -26,7 +26,8 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
     target = Path(os.path.realpath(output))
     for what, path in inputs.items():
         if path is not None and Path(os.path.realpath(path)) == target:
-            raise ConfigError(f"output {output} is the {what}; results would overwrite it. Choose another output")
+            raise ConfigError(
+                f"output {output} is the {what}; results would overwrite it. Choose another output")
     model = Path(os.path.realpath(model_dir))
     if target.is_relative_to(model):
         raise ConfigError(f"output {output} is inside the model directory {model_dir}; choose another output")
@@ -42,25 +43,28 @@ def check_target(output: str, inputs: dict[str, str | None], model_dir: str) -> 
             raise ConfigError(f"output {output}: no permission to write {target}")
     folder = next(p for p in target.parents if os.path.lexists(p))  # the folder, or where its path starts
     if not folder.is_dir():
-        raise ConfigError(f"output {output}: cannot create its folder {target.parent}: {folder} is not a directory")
-    if not os.access(folder, os.W_OK | os.X_OK):  # every write goes through a temporary file and a rename there
+        raise ConfigError(
+            f"output {output}: cannot create its folder {target.parent}: {folder} is not a directory")
+    # every write goes through a temporary file and a rename there
+    if not os.access(folder, os.W_OK | os.X_OK):
         what = "write in its folder" if folder == target.parent else f"create its folder {target.parent} in"
         raise ConfigError(f"output {output}: no permission to {what} {folder}")
     me, info = os.geteuid(), folder.stat()
     if info.st_mode & stat.S_ISVTX and me not in (0, info.st_uid):  # a sticky folder such as /tmp
         for path in (target, target.with_name(target.name + SETTINGS_SUFFIX)):
             if os.path.lexists(path) and os.lstat(path).st_uid != me:
-                raise ConfigError(f"output {output}: {path} belongs to another user, and in {folder} (sticky) only "
-                                  "its owner may replace it")
+                raise ConfigError(f"output {output}: {path} belongs to another user, and in {folder} "
+                                  "(sticky) only its owner may replace it")
     try:
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
-    longest = len(os.fsencode(_temp_prefix(target.name + SETTINGS_SUFFIX))) + 12  # mkstemp's 8 letters + ".tmp"
+    prefix = _temp_prefix(target.name + SETTINGS_SUFFIX)
+    longest = len(os.fsencode(prefix)) + 12  # mkstemp's 8 letters + ".tmp"
     if longest > name_max:
         raise ConfigError(f"output {output}: the file name is too long; the run writes files named "
-                          f"'{_temp_prefix(target.name + SETTINGS_SUFFIX)}XXXXXXXX.tmp' beside it, and this folder "
-                          f"takes names of at most {name_max} bytes: shorten it by {longest - name_max}")
+                          f"'{prefix}XXXXXXXX.tmp' beside it, and this folder takes names of at most "
+                          f"{name_max} bytes: shorten it by {longest - name_max}")
     return target
 
 
@@ -82,7 +86,8 @@ class OutputLock:
         self.path = target.with_name(target.name + ".lock")
         # its and its settings file's temporary files: mkstemp's names, exactly (another output's, say of
         # `<target>.x`, start the same)
-        self.temps = re.compile(re.escape(_temp_prefix(target.name)) + f"({re.escape(SETTINGS_SUFFIX[1:])}\\.)?"
+        settings = re.escape(SETTINGS_SUFFIX[1:])
+        self.temps = re.compile(re.escape(_temp_prefix(target.name)) + f"({settings}\\.)?"
                                 + r"[a-z0-9_]{8}\.tmp")
         self.made: list[Path] = []  # the folders this run made for the output, innermost first
         self.fd: int | None = None
@@ -103,7 +108,8 @@ class OutputLock:
             except FileExistsError:  # made by another process meanwhile: not this run's to remove
                 continue
             except OSError as e:  # a read-only file system, a full disk
-                raise ConfigError(f"output {shown}: cannot create its folder {folder}: {e.strerror}") from None
+                raise ConfigError(
+                    f"output {shown}: cannot create its folder {folder}: {e.strerror}") from None
             self.made.insert(0, folder)
 
     def _lock(self, shown: str) -> int:
@@ -111,15 +117,16 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                raise ConfigError(f"output {shown}: cannot create its lock file {self.path}: {e.strerror}") from None
+                raise ConfigError(
+                    f"output {shown}: cannot create its lock file {self.path}: {e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise ConfigError(f"output {shown} is in use by another run (pid {holder})") from None
-            # A run that just ended removes its lock file; if that happened after our open, we hold a lock on a
-            # file nobody else can see: take the one on disk instead.
+            # A run that just ended removes its lock file; if that happened after our open, we hold a lock
+            # on a file nobody else can see: take the one on disk instead.
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                     break
@@ -134,12 +141,15 @@ class OutputLock:
         """Unlock, and remove the lock file, any temporary file of the output and the folders this run made
         that are still empty.
 
-        A signal handler calls this too, and may run inside the main thread's call (then exits): every step
-        can be done twice, and the descriptor is taken before it is closed so that it is never closed twice."""
+        A signal handler calls this too, and may run inside the main thread's call (then exits):
+        every step can be done twice, and the descriptor is taken before it is closed so that it is
+        never closed twice."""
         if self.fd is not None:
-            self._remove_temps()  # while the lock file is there: once it is gone, another run may write its own
+            # while the lock file is there: once it is gone, another run may write its own
+            self._remove_temps()
             try:
-                self.path.unlink(missing_ok=True)  # before unlocking: nobody can lock it and think they own the output
+                # before unlocking: nobody can lock it and think they own the output
+                self.path.unlink(missing_ok=True)
             except OSError:  # the folder no longer writable: a lock file left behind is harmless
                 pass
             fd, self.fd = self.fd, None

@@ -8,7 +8,8 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True, out: TextIO = sys.stderr, interval_s: float = 10.0) -> None:
+    def __init__(self, total: int, enabled: bool = True, out: TextIO = sys.stderr,
+                 interval_s: float = 10.0) -> None:
         self.total, self.enabled, self.out = total, enabled and total > 0, out
         self.tty = self.enabled and out.isatty()
         self.interval = 0.2 if self.tty else interval_s

@@ -40,8 +40,8 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         return cfg["prompts"]
     path = Path(cfg["prompts_file"])
     if not path.is_file():
-        raise ConfigError(f"config key 'prompts_file': {'not a regular file' if path.exists() else 'file not found'}: "
-                          f"{path}")
+        what = "not a regular file" if path.exists() else "file not found"
+        raise ConfigError(f"config key 'prompts_file': {what}: {path}")
     prompts = []
     for n, line in enumerate(jsonl_lines(read_utf8(path, ConfigError)), 1):
         if not line.strip():
@@ -142,8 +142,8 @@ class PromptEncoder:
         if stop and self.tokenizer is None:
             key = "SamplingParams." if self.python else "sampling."
             raise ValueError(f"{key}stop needs the checkpoint's tokenizer to read the output as text, and "
-                             f"{self.model_dir} has none ({load_tokenizer(self.model_dir)[1]}); end requests with "
-                             f"{key}stop_token_ids instead")
+                             f"{self.model_dir} has none ({load_tokenizer(self.model_dir)[1]}); end requests "
+                             f"with {key}stop_token_ids instead")
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -164,14 +164,15 @@ class PromptEncoder:
         return len(self.tokenizer)
 
     def encode_all(self, prompts: list[Prompt]) -> list[Sequence[int] | PromptError]:
-        """Every prompt's ids (`compact`), or its error. Texts are tokenized in batches, which a fast tokenizer
-        spreads over its threads: a job's million prompts are encoded before any weight loads."""
+        """Every prompt's ids (`compact`), or its error. Texts are tokenized in batches, which a fast
+        tokenizer spreads over its threads: a job's million prompts are encoded before any weight loads."""
         out: list[Sequence[int] | PromptError] = []
         for start in range(0, len(prompts), TOKENIZE_BATCH):  # a batch at a time is held as Python ints
             got = [self._attempt(self._source, p) for p in prompts[start:start + TOKENIZE_BATCH]]
             texts = [i for i, x in enumerate(got) if isinstance(x, str)]  # else ids or an error
             try:
-                ids = self.tokenizer([got[i] for i in texts], add_special_tokens=False)["input_ids"] if texts else []
+                batch = [got[i] for i in texts]
+                ids = self.tokenizer(batch, add_special_tokens=False)["input_ids"] if texts else []
             except Exception:  # noqa: BLE001 - one text failed: find which, one at a time
                 ids = [self._attempt(self._tokenize, got[i]) for i in texts]
             for i, x in zip(texts, ids):
@@ -187,7 +188,7 @@ class PromptEncoder:
             return e
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """The ids of one prompt; any failure (the tokenizer's, the chat template's) is raised as PromptError."""
+        """The ids of one prompt; any failure (the tokenizer's, the chat template's) raises PromptError."""
         got = self._attempt(self._source, prompt)
         if isinstance(got, str):
             got = self._attempt(self._tokenize, got)
@@ -217,7 +218,8 @@ class PromptEncoder:
                 raise PromptError(unknown)
             given = [k for k in PROMPT_KEYS if k in prompt]
             if len(given) > 1:  # which one counts would be a guess
-                raise PromptError(f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
+                raise PromptError(
+                    f"a prompt object takes one of 'prompt', 'input_ids' and 'messages'; got {given}")
             if "input_ids" in prompt:
                 ids = prompt["input_ids"]
                 if isinstance(ids, array) and ids.typecode == "i":  # as read_prompts makes them: integers
@@ -238,9 +240,11 @@ class PromptEncoder:
         if not isinstance(prompt, str) and self.python:
             raise PromptError(prompt_type_problem(prompt))
         if not isinstance(prompt, str):
-            # YAML 1.1 reads an unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a boolean, number or date
-            hint = f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; quote the " \
-                "prompt)" if type(prompt) in (bool, int, float, datetime.date, datetime.datetime) else ""
+            # YAML 1.1 reads unquoted yes, no, on, off, 12:30 (750) or 2024-01-01 as a bool, number or date
+            hint = ""
+            if type(prompt) in (bool, int, float, datetime.date, datetime.datetime):
+                hint = (f" ({prompt!r}: YAML reads an unquoted yes/no/on/off, number, time or date as such; "
+                        "quote the prompt)")
             raise PromptError("a prompt must be a string, a list of token ids or an object; got "
                               f"{type(prompt).__name__}{hint}")
         _check_unicode(prompt, "the prompt")
@@ -261,7 +265,8 @@ class PromptEncoder:
         if not getattr(tok, "chat_template", None):
             raise PromptError(f"chat prompts need a chat template in {self.model_dir} (chat_template.jinja, "
                               "or chat_template in tokenizer_config.json)")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       **self.chat_kwargs)
 
 
 def _checked_messages(messages: Any) -> list[dict]:
@@ -271,7 +276,8 @@ def _checked_messages(messages: Any) -> list[dict]:
         raise PromptError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
     for n, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise PromptError(f"message {n} must be an object with 'role' and 'content'; got {type(m).__name__}")
+            raise PromptError(
+                f"message {n} must be an object with 'role' and 'content'; got {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise PromptError(f"message {n} needs a 'role' string (user, assistant, system, ...)")
         if m.get("content") is not None and not isinstance(m["content"], str):

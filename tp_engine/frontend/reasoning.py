@@ -1,7 +1,8 @@
-"""Thinking output of chat templates that emit `<think>...</think>` (Qwen3): the reasoning apart from the answer.
+"""Thinking output of chat templates that emit `<think>...</think>` (Qwen3): the reasoning apart from the
+answer.
 
-On when `chat: true` and the tokenizer's chat template writes `<think>`, with `<think>` and `</think>` single,
-non-special tokens (so decoding keeps them in the text, as Qwen3's tokenizer does); off otherwise.
+On when `chat: true` and the tokenizer's chat template writes `<think>`, with `<think>` and `</think>`
+single, non-special tokens (so decoding keeps them in the text, as Qwen3's tokenizer does); off otherwise.
 """
 from __future__ import annotations
 
@@ -24,20 +25,22 @@ def think_tags(tokenizer) -> tuple[int, int] | None:
     return vocab[THINK_START], vocab[THINK_END]
 
 
-def opens_thinking(prompt_ids: list[int], tags: tuple[int, int], decode: Callable[[list[int]], str | None]) -> bool:
-    """Whether the generation prompt opens a think block (templates that end it with `<think>`): the prompt's
-    last think tag is `<think>` with only blank text after it. A `<think>` the user wrote mid-prompt does not
-    count, as the rest of the conversation follows it."""
+def opens_thinking(prompt_ids: list[int], tags: tuple[int, int],
+                   decode: Callable[[list[int]], str | None]) -> bool:
+    """Whether the generation prompt opens a think block (templates that end it with `<think>`): the
+    prompt's last think tag is `<think>` with only blank text after it. A `<think>` the user wrote
+    mid-prompt does not count, as the rest of the conversation follows it."""
     last = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] in tags), None)
-    return last is not None and prompt_ids[last] == tags[0] and not (decode(prompt_ids[last + 1:]) or "").strip()
+    return (last is not None and prompt_ids[last] == tags[0]
+            and not (decode(prompt_ids[last + 1:]) or "").strip())
 
 
 def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:
-    """(reasoning, answer) of an output's text: the reasoning is what lies inside `<think>...</think>`, stripped;
-    the answer what follows `</think>`, without its leading blank lines (or the spaces before it on the tag's
-    line), its first line's indentation kept. A think block that never ends (the length limit came first) is all
-    reasoning; an output that does not think (neither the prompt nor the output opens a block) is all answer, a
-    `</think>` in it included. `<think>` written inside the reasoning stays."""
+    """(reasoning, answer) of an output's text: the reasoning is what lies inside `<think>...</think>`,
+    stripped; the answer what follows `</think>`, without its leading blank lines (or the spaces before it on
+    the tag's line), its first line's indentation kept. A think block that never ends (the length limit came
+    first) is all reasoning; an output that does not think (neither the prompt nor the output opens a block)
+    is all answer, a `</think>` in it included. `<think>` written inside the reasoning stays."""
     if not (open_think or text.lstrip().startswith(THINK_START)):
         return "", text
     head, closed, tail = text.partition(THINK_END)

@@ -20,7 +20,8 @@ from tp_engine.base.textio import canonical_json
 TOKEN_SETTINGS = ("load_format", "seed", "chat", "chat_template_kwargs", "max_model_len")
 
 
-def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None = None, fp8: bool = False) -> dict:
+def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None = None,
+                 fp8: bool = False) -> dict:
     """Everything that decides a prompt's output tokens. `dtype` is the one in use (`auto` resolved);
     `max_positions` the model's max_position_embeddings, which `max_model_len: null` stands for; `fp8`: the
     checkpoint has block-FP8 weights."""
@@ -35,12 +36,13 @@ def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None 
     settings.update({k: cfg[k] for k in TOKEN_SETTINGS})
     if settings["max_model_len"] == max_positions:  # the default written out is the default
         settings["max_model_len"] = None
-    # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only when
-    # on, so that lines written before the key existed keep their `run`.
+    # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only
+    # when on, so that lines written before the key existed keep their `run`.
     settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
                      if k != "n" and not (k == "logprobs" and v == 0)})
-    if fp8 and cfg["advanced"]["fp8_gemm"] != "weight_only":  # fp8 activations change tokens; only when on, so
-        settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]  # that older lines keep their `run`
+    # fp8 activations change tokens; only when on, so that older lines keep their `run`
+    if fp8 and cfg["advanced"]["fp8_gemm"] != "weight_only":
+        settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]
     for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
         if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
             settings[k] = float(v)
@@ -82,9 +84,11 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
     with open(target, "rb") as f:
         end = 0
         for n, raw in enumerate(f, 1):
-            span, end = (end, len(raw.removesuffix(b"\n").removesuffix(b"\r"))), end + len(raw)  # CRLF: LF
+            # the span ends before the line break, LF or CRLF
+            span, end = (end, len(raw.removesuffix(b"\n").removesuffix(b"\r"))), end + len(raw)
+            # an empty line, or a last line cut short by a crash (a whole one is checked like the rest)
             if not raw.strip() or not (raw.endswith(b"\n") or _parses(raw)):
-                continue  # an empty line, or a last line cut short by a crash (a whole one is checked like the rest)
+                continue
             out = _parsed(raw)
             if out is None:
                 problems.append(f"line {n} is not a result line")
@@ -94,7 +98,8 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
                 if 0 <= i < len(encoded) and 0 <= j < samples:
                     retry.append(((i, j), span))
             elif not 0 <= i < len(encoded):
-                problems.append(f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
+                problems.append(
+                    f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
             elif not 0 <= j < samples:
                 problems.append(f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
             elif out.get("run") != this_run:
@@ -102,9 +107,10 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
             elif isinstance(encoded[i], Exception):
                 problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
             elif out["prompt_token_ids"] != list(encoded[i]):
-                problems.append(f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
+                problems.append(
+                    f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
             elif out.get("finish_reason") == "length" and len(out.get("output_token_ids") or ()) < max_new:
-                retry.append(((i, j), span))  # cut by the request limit, which depends on the KV pool: run again
+                retry.append(((i, j), span))  # cut by the request limit, which depends on the KV pool: rerun
             else:
                 done[i, j] = span
     if problems:
@@ -128,8 +134,9 @@ def _parsed(raw: bytes) -> dict | None:
         out = json.loads(raw.decode("utf-8"))
     except ValueError:
         return None
-    if isinstance(out, dict) and isinstance(out.get("index"), int) and isinstance(out.get("prompt_token_ids"), list) \
-            and isinstance(out.get("sample", 0), int) and isinstance(out.get("output_token_ids", []), list):
+    if (isinstance(out, dict) and isinstance(out.get("index"), int)
+            and isinstance(out.get("prompt_token_ids"), list) and isinstance(out.get("sample", 0), int)
+            and isinstance(out.get("output_token_ids", []), list)):
         return out
     return None
 
@@ -186,8 +193,8 @@ class ResultSink:
     bounded by its disk, not by rank 0's memory. Without a file the lines are kept (as JSON text) to be
     printed in input order at the end."""
 
-    def __init__(self, target: Path | None, shown: str | None, settings: dict, done: dict[Key, Span] | None = None,
-                 retry: list[tuple[Key, Span]] | None = None,
+    def __init__(self, target: Path | None, shown: str | None, settings: dict,
+                 done: dict[Key, Span] | None = None, retry: list[tuple[Key, Span]] | None = None,
                  decode: Callable[[list[int]], str | None] | None = None) -> None:
         self.target, self.shown, self.settings, self.decode = target, shown, settings, decode
         self.run = run_id(settings)
@@ -263,7 +270,8 @@ class ResultSink:
 
 
 def write_settings(target: Path, run: str, settings: dict) -> None:
-    replace_text(settings_path(target), json.dumps({"run": run, "settings": settings}, indent=1, default=str) + "\n")
+    text = json.dumps({"run": run, "settings": settings}, indent=1, default=str) + "\n"
+    replace_text(settings_path(target), text)
 
 
 def print_lines(lines: Iterable[str]) -> None:

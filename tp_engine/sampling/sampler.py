@@ -13,7 +13,8 @@ import torch
 from tp_engine.base.api_args import as_id, as_ids
 from tp_engine.base.config import SCHEMA, check_value
 from tp_engine.kernels.sampling import TOPK_MAX_K
-from tp_engine.sampling.topk_sampling import M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash, top_ids
+from tp_engine.sampling.topk_sampling import (M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash,
+                                              top_ids)
 
 
 @dataclass
@@ -104,7 +105,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         return greedy
     dev, vocab = logits.device, logits.shape[-1]
     plain = [i for i in rows if params[i].top_k == 0 and params[i].top_p >= 1]
-    few = [i for i in rows if 0 < params[i].top_k <= TOPK_MAX_K]  # candidates from one pass of a kernel on CUDA
+    # candidates from one pass of a kernel on CUDA
+    few = [i for i in rows if 0 < params[i].top_k <= TOPK_MAX_K]
     many = [i for i in rows if params[i].top_k > TOPK_MAX_K]
     nucleus = [i for i in rows if params[i].top_k == 0 and params[i].top_p < 1]
     if plain:
@@ -150,13 +152,15 @@ def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingPara
         return ops.gumbel_argmax(logits, rows_t, temps, hashes)
     x = logits[rows_t] / temps[:, None]
     ids = torch.arange(x.shape[-1], device=dev, dtype=torch.int64)[None, :].expand(len(rows), -1)
-    return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)  # Gumbel-max: a draw from softmax(x)
+    # Gumbel-max: a draw from softmax(x)
+    return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, ops=None) -> tuple[torch.Tensor, ...]:
-    """From logits [B, vocab] (before temperature and filters; taken in fp32): the chosen tokens' log-probabilities
-    [B], and the k most likely tokens' ids and log-probabilities [B, k], most likely first. No sort of the
-    vocabulary. ops: as `sample`'s."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                   ops=None) -> tuple[torch.Tensor, ...]:
+    """From logits [B, vocab] (before temperature and filters; taken in fp32): the chosen tokens'
+    log-probabilities [B], and the k most likely tokens' ids and log-probabilities [B, k], most likely
+    first. No sort of the vocabulary. ops: as `sample`'s."""
     logits = logits.float()
     lp = torch.log_softmax(logits, dim=-1)
     k = min(k, lp.shape[-1])

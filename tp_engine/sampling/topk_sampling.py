@@ -56,13 +56,15 @@ def _mask_sorted(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 
 
 def order_key(x: torch.Tensor) -> torch.Tensor:
-    """One int64 per token that orders like (value descending, id ascending): float bits made monotonic in
-    the high half, the reversed id in the low half. No two tokens share a key, so torch.topk's order is exact."""
+    """One int64 per token that orders like (value descending, id ascending): float bits made
+    monotonic in the high half, the reversed id in the low half. No two tokens share a key, so
+    torch.topk's order is exact."""
     # + 0.0: -0.0 becomes +0.0, so equal values get equal bits; every NaN the same positive one, ranked first
     bits = (x + 0.0).masked_fill_(x.isnan(), float("nan")).view(torch.int32)
     bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: reverse the order of their magnitudes
     reversed_ids = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device, dtype=torch.int64)
-    return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)  # in place: [R, vocab] int64 once
+    # in place: [R, vocab] int64 once
+    return bits.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(reversed_ids)
 
 
 def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,21 +74,23 @@ def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def candidate_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
                    max_k: int) -> torch.Tensor:
-    """x [R, vocab] (logits / temperature); top_k [R] int64 in [1, vocab], max_k >= every top_k (a host int, so
-    no wait for the device); top_p [R] fp32; rows [R] the noise hash starts. Returns the chosen ids [R]."""
+    """x [R, vocab] (logits / temperature); top_k [R] int64 in [1, vocab], max_k >= every top_k (a host
+    int, so no wait for the device); top_p [R] fp32; rows [R] the noise hash starts. Returns the chosen
+    ids [R]."""
     vocab = x.shape[-1]
     ids = top_ids(x, min(max_k, vocab))
     return draw_among(x.gather(1, ids), ids, top_k, top_p, rows, vocab)
 
 
-def draw_among(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor,
-               vocab: int) -> torch.Tensor:
+def draw_among(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               rows: torch.Tensor, vocab: int) -> torch.Tensor:
     """The draw of `candidate_draw` from its candidates: ids [R, C] in the order of `order_key` (on CUDA from
     kernels/sampling.topk_candidates), vals [R, C] their values of x."""
     return _gumbel_pick(_mask_sorted(vals, top_k, top_p), ids, rows, vocab)
 
 
-def full_sort_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def full_sort_draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
     """The same draw over the whole sorted vocabulary (top_k = vocab: no top-k)."""
     vals, ids = x.sort(dim=-1, descending=True, stable=True)  # stable: ties in id order
     vals = _mask_sorted(vals, top_k, top_p)
