@@ -554,7 +554,8 @@ def test_resume_reads_a_whole_last_line_without_newline_and_reruns_lines_cut_by_
     ended "length" before max_new_tokens was cut by min(max_model_len, KV pool), which a resume with another
     pool changes: it runs again. Replacing the weights in place changes `run`."""
     from tp_engine.base.config import ConfigError, build_config
-    from tp_engine.frontend.results import read_for_resume, run_id, run_settings
+    from tp_engine.frontend.resume import read_for_resume
+    from tp_engine.frontend.results import run_id, run_settings
 
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
@@ -603,7 +604,8 @@ def test_resume_refuses_a_line_whose_output_token_ids_are_not_a_list(ckpt, tmp_p
     """A hand-edited line with `output_token_ids` a number is refused naming the line, not with a TypeError
     traceback."""
     from tp_engine.base.config import ConfigError, build_config
-    from tp_engine.frontend.results import read_for_resume, run_id, run_settings
+    from tp_engine.frontend.resume import read_for_resume
+    from tp_engine.frontend.results import run_id, run_settings
 
     settings = run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8}),
                             "float32", 1)
@@ -619,7 +621,8 @@ def test_a_refused_resume_says_what_changed_in_words(ckpt, tmp_path):
     """A refused resume says what changed in words (weights written again, the same size; logprobs 0, now 2),
     not with the weight files' raw [name, size, mtime_ns] lists or `logprobs=null`."""
     from tp_engine.base.config import ConfigError, build_config
-    from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
+    from tp_engine.frontend.resume import read_for_resume
+    from tp_engine.frontend.results import run_id, run_settings, write_settings
 
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
@@ -648,7 +651,8 @@ def test_fp8_activations_change_the_run(ckpt, tmp_path):
     resume refuses weight_only lines for it. The default adds nothing to the record (older lines keep `run`),
     nor does the key for a model without FP8 weights, whose tokens it cannot change."""
     from tp_engine.base.config import ConfigError, build_config
-    from tp_engine.frontend.results import read_for_resume, run_id, run_settings, write_settings
+    from tp_engine.frontend.resume import read_for_resume
+    from tp_engine.frontend.results import run_id, run_settings, write_settings
 
     def settings(mode, fp8=True):
         return run_settings(build_config(model=str(ckpt), prompts=[], sampling={"max_new_tokens": 8},

@@ -17,7 +17,8 @@ from tp_engine.base import config as C
 from tp_engine.frontend.output_file import OutputLock, check_target
 from tp_engine.frontend.progress import Progress, Streamer
 from tp_engine.frontend.prompts import PromptEncoder, read_prompts
-from tp_engine.frontend.results import ResultSink, read_for_resume, run_settings
+from tp_engine.frontend.results import ResultSink, run_settings
+from tp_engine.frontend.resume import read_for_resume
 from tp_engine.frontend.summary import Summary
 
 if TYPE_CHECKING:  # torch itself is imported only once the config is known to be good
