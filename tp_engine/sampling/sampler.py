@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tp_engine.base.api_args import as_id, as_ids
-from tp_engine.base.config import SCHEMA, check_value
+from tp_engine.base.sampling_keys import check_sampling
 from tp_engine.kernels.sampling import TOPK_MAX_K
 from tp_engine.sampling.topk_sampling import (M32, candidate_draw, full_sort_draw, hash32, noise_at, row_hash,
                                               top_ids)
@@ -34,26 +33,14 @@ class SamplingParams:
     seed: int | None = None  # None: the LLM's (the config's) seed
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):  # one stop string, not one per character
-            self.stop = [self.stop]
-        self.validate()
+        self.validate()  # `stop` as one string becomes a list of one, not one stop per character
 
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) for a value the config would refuse; generate() calls it again on
-        every rank, since the fields may have been changed after construction. numpy's and torch's integers
-        (stop_token_ids: a list of them, or a 1-d array or tensor) become Python ints first."""
-        for f in fields(self):
-            if f.name == "seed" and self.seed is None:
-                continue
-            key = SCHEMA["seed" if f.name == "seed" else f"sampling.{f.name}"]
-            value = getattr(self, f.name)
-            if f.name == "stop_token_ids":
-                python = as_ids(value)
-            else:
-                python = as_id(value) if int in key.type else None
-            if python is not None:
-                setattr(self, f.name, python)
-            check_value(f"SamplingParams.{f.name}", key, getattr(self, f.name))
+        every rank, since the fields may have been changed after construction."""
+        values = check_sampling({f.name: getattr(self, f.name) for f in fields(self)}, "SamplingParams.")
+        for name, value in values.items():
+            setattr(self, name, value)
 
 
 def request_seed(seed: int, index: int, sample: int = 0) -> int:
