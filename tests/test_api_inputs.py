@@ -22,8 +22,8 @@ def llm():
 
 
 def test_a_prompt_objects_unknown_key_is_its_error_naming_the_key_meant(llm, tmp_path):
-    """A key a prompt object does not take (an option meant per prompt, a typo) is that prompt's error, naming
-    the key and the closest known one, in the API and in prompts_file; the other prompts run."""
+    """A key a prompt object does not take (an option that goes in `sampling`, a typo) is that prompt's error,
+    naming the key and the closest known one, in the API and in prompts_file; the other prompts run."""
     from tp_engine.base.config import ConfigError, build_config
     from tp_engine.frontend.prompts import PromptEncoder, PromptError, read_prompts
     from tp_engine.sampling.sampler import SamplingParams
@@ -31,7 +31,7 @@ def test_a_prompt_objects_unknown_key_is_its_error_naming_the_key_meant(llm, tmp
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=5))
     assert [o["finish_reason"] for o in outs] == ["error", "error", "length"]
     assert outs[0]["error"] == ("unknown key 'max_tokens' in a prompt object (its keys: 'prompt', "
-                                "'input_ids', 'messages')")
+                                "'input_ids', 'messages', 'sampling')")
     assert outs[1]["error"].startswith("unknown key 'input_id' in a prompt object; did you mean 'input_ids'?")
     pf = tmp_path / "prompts.jsonl"
     pf.write_text('{"prompt": "a", "max_tokens": 3}\n{"prompt": "b"}\n')

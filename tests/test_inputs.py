@@ -209,8 +209,8 @@ def test_prompts_and_prompts_file_are_one_choice_that_a_later_layer_replaces(tmp
 @pytest.mark.slow
 def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
     """Each is that prompt's error, and the others run on every rank: a key a prompt object does not take
-    (not a string, an option meant per prompt, a typo: named with the key meant), two prompt keys in one
-    object, a lone surrogate (the tokenizer's TypeError otherwise)."""
+    (not a string, an option that goes inside `sampling`, a typo: named with the key meant), two prompt keys
+    in one object, a lone surrogate (the tokenizer's TypeError otherwise)."""
     prompts = [{"prompt": "Alice", 1: "x"}, {"prompt": "a", "input_ids": [1, 2]}, {"prompt": "hi \ud83d"},
                {"messages": [{"role": "user", "content": "x\ud800"}]}, "Bob",
                {"prompt": "Alice", "max_tokens": 3}, {"promt": "Alice"}]
@@ -218,7 +218,7 @@ def test_prompt_objects_with_odd_keys_or_lone_surrogates_fail_alone(tmp_path):
                           tmp_path, nproc=1)
     assert proc.returncode == 0, proc.stderr[-2000:]  # finished: every prompt has its line
     assert [line["finish_reason"] for line in lines] == ["error"] * 4 + ["length"] + ["error"] * 2
-    known = "(its keys: 'prompt', 'input_ids', 'messages')"
+    known = "(its keys: 'prompt', 'input_ids', 'messages', 'sampling')"
     assert lines[0]["error"] == f"unknown key 1 in a prompt object {known}"
     assert lines[5]["error"] == f"unknown key 'max_tokens' in a prompt object {known}"
     assert lines[6]["error"] == f"unknown key 'promt' in a prompt object; did you mean 'prompt'? {known}"

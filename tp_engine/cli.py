@@ -16,6 +16,7 @@ import yaml
 from tp_engine.base import config as C
 from tp_engine.frontend.output_file import OutputLock, check_target
 from tp_engine.frontend.progress import Progress, Streamer
+from tp_engine.frontend.prompt_sampling import line_counts, own_settings
 from tp_engine.frontend.prompts import PromptEncoder, read_prompts
 from tp_engine.frontend.results import ResultSink, run_settings
 from tp_engine.frontend.resume import read_for_resume
@@ -114,6 +115,8 @@ class Preflight:
         self.cfg, self.prompts, self.config_path = cfg, prompts, config_path
         self.lock: OutputLock | None = None
         self.encoded: list = []
+        self.own: dict[int, dict] = {}  # the prompts' own `sampling`, by index
+        self.requests = self.most_samples = 0  # (prompt, sample) lines; the largest sampling.n
         self.sink: ResultSink | None = None
 
     def __call__(self, device: torch.device) -> None:
@@ -125,6 +128,8 @@ class Preflight:
             target = check_target(shown, others, cfg["model"])
             self.lock = OutputLock(target, shown)
         self.encoded = encoder.encode_all(self.prompts)
+        self.own = own_settings(self.prompts, self.encoded)
+        self.requests, self.most_samples = line_counts(len(self.prompts), cfg["sampling"]["n"], self.own)
         # it needs torch: imported only once the config is good
         from tp_engine.checkpoint.model_config import ModelConfig
         mc = ModelConfig.from_dir(cfg["model"])
@@ -133,12 +138,13 @@ class Preflight:
         settings = run_settings(cfg, dtype, world, mc.max_position_embeddings, mc.quant is not None)
         done, retry = {}, []
         if target is not None and cfg["resume"] and target.exists():
-            done, retry = read_for_resume(target, shown, self.encoded, settings, cfg["sampling"]["n"])
+            n = cfg["sampling"]["n"]
+            done, retry = read_for_resume(target, shown, self.encoded, settings, n, self.own)
         elif target is not None and cfg["resume"]:  # a relative output, say, from another working directory
             log.warning("resume: %s does not exist%s: nothing to resume, every prompt runs", shown,
                         f" ({target})" if str(target) != shown else "")
         decode = encoder.decode if encoder.tokenizer else None
-        self.sink = ResultSink(target, shown, settings, done, retry, decode)
+        self.sink = ResultSink(target, shown, settings, done, retry, decode, self.own)
 
 
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
@@ -168,14 +174,13 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         llm.generate(prompts)
         return finish(llm, 0)
     sink = _SINK = preflight.sink
-    n = cfg["sampling"]["n"]
     show_progress = cfg["progress"] and not quiet and not cfg["stream"]
-    progress = Progress(len(prompts) * n - len(sink.done_keys), show_progress)
+    progress = Progress(preflight.requests - len(sink.done_keys), show_progress)
     streamer = None
     if cfg["stream"]:
-        if len(prompts) * n != 1:
+        if preflight.requests != 1:
             log.warning("stream: true prints text for a single prompt and sample only; "
-                        "%d prompts x %d samples given", len(prompts), n)
+                        "%d prompts, %d requests given", len(prompts), preflight.requests)
         else:
             streamer = Streamer()
 
@@ -184,7 +189,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         if streamer is not None:  # the whole output (a think block too), held back before a stop string
             streamer.update(update.text, final=update.finish_reason is not None)
 
-    summary = Summary(n)
+    summary = Summary(preflight.most_samples)
 
     def on_finish(out: dict) -> None:
         sink.add(out)

@@ -20,11 +20,12 @@ from tp_engine.base.api_args import as_list
 from tp_engine.runtime.engine import Engine
 from tp_engine.base.generation_config import unapplied_warning
 from tp_engine.frontend.lifeline import exit_with_launcher
+from tp_engine.frontend.prompt_sampling import has_stop_strings, params_for
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
 from tp_engine.runtime.request import RequestOutput
-from tp_engine.frontend.stop_strings import StopStrings
+from tp_engine.frontend.stop_strings import RequestStops, StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
 
 log = logging.getLogger("tp_engine")
@@ -117,14 +118,17 @@ class LLM:
 
     # ---- generation ----
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_finish: Callable[[dict], None] | None = None, skip: set | frozenset = frozenset(),
                  on_token: Callable[[TokenUpdate], None] | None = None,
                  encoded: list[Sequence[int] | PromptError] | None = None,
                  return_outputs: bool = True) -> list[dict] | None:
         """Generate for one prompt or a list of prompts. Rank 0 returns one output dict per prompt and
         sample (not skipped; `skip` holds prompt indices or (index, sample) pairs), in (index, sample) order;
-        the other ranks follow rank 0's steps and return None. `on_finish(output)` is called on rank 0 as
+        the other ranks follow rank 0's steps and return None. `sampling_params`: one for every prompt, or a
+        list of one per prompt (None: the config's settings); a prompt object's own `sampling` mapping goes
+        over it. Requests with different settings share batches. `on_finish(output)` is called on rank 0 as
         each request completes (in completion order), `on_token(update)` as each request gets a token (a
         TokenUpdate: its index, sample, token ids and text so far). `encoded` (rank 0): the prompts' ids or
         errors, already computed (the command line encodes before the weights load); `prompts` is then the
@@ -143,25 +147,23 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new LLM to generate again")
         self.engine.check_usable()
         prompts = list(prompts if encoded is not None else as_list(prompts))  # the caller may change its list
-        params = sampling_params if sampling_params is not None else sampling_params_from(self.cfg)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params = self._sampling_params(sampling_params, len(prompts))
         if not self.rank0:
             self.engine.follow()
             return None
         try:  # the other ranks already wait for the first step: a failure here must release them
             if encoded is not None and len(encoded) != len(prompts):
                 raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
-            self.prompts.check_stop_strings(params.stop)
+            for p in params if isinstance(params, list) else [params]:
+                self.prompts.check_stop_strings(p.stop)
         except BaseException:
             self.engine.release_followers()
             raise
         outputs: dict[tuple[int, int], dict] = {}
         enc = self.prompts
-        stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts) \
-            if params.stop else None
-        texts = TextStreams(enc.decode, stops.texts if stops else [])
+        stops = RequestStops(lambda stop: StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens,
+                                                      enc.special_texts))  # each request's own
+        texts = TextStreams(enc.decode, stops.texts)
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
 
@@ -175,14 +177,18 @@ class LLM:
         def requests() -> Iterator[RequestOutput]:
             """Made as the scheduler has room for them: a finished one is dropped, not kept to the end."""
             for i, prompt in enumerate(prompts):
-                samples = [j for j in range(params.n) if i not in skip and (i, j) not in skip]
+                given = params[i] if isinstance(params, list) else params
+                own = params_for(prompt, given, self.prompts)  # its own `sampling` over it, or its error
+                p = own if isinstance(own, SamplingParams) else given
+                samples = [j for j in range(p.n) if i not in skip and (i, j) not in skip]
                 if not samples:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
-                error = str(got) if isinstance(got, PromptError) else self._prompt_problem(got)
+                bad = got if isinstance(got, PromptError) else own if isinstance(own, PromptError) else None
+                error = str(bad) if bad is not None else self._prompt_problem(got)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
                 for j in samples:
-                    req = RequestOutput(i, ids, params, sample=j)
+                    req = RequestOutput(i, ids, p, sample=j)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
                         finish(req)
@@ -190,7 +196,7 @@ class LLM:
                         yield req
 
         def check_token(req: RequestOutput) -> bool:
-            hit = stops is not None and stops.hit(req)
+            hit = stops.hit(req)
             if on_token is not None:
                 on_token(texts.update(req, "stop" if hit else req.finish_reason))
             return hit
@@ -198,11 +204,27 @@ class LLM:
         made = requests()
         self._generating = True
         try:
-            self.engine.run(made, check_token if (stops or on_token) else None, finish)
+            stopping = has_stop_strings(prompts, params if isinstance(params, list) else [params])
+            self.engine.run(made, check_token if (stopping or on_token) else None, finish)
         finally:
             self._generating = False
             made.close()  # after a failure the scheduler still holds it: keep nothing of this call
         return [outputs[i] for i in sorted(outputs)] if return_outputs else None
+
+    def _sampling_params(self, given: Any, count: int) -> SamplingParams | list[SamplingParams]:
+        """generate()'s `sampling_params`, checked on every rank: one SamplingParams, or a list of one per
+        prompt (`count` of them)."""
+        if given is None:
+            return sampling_params_from(self.cfg)
+        for p in given if isinstance(given, list) else [given]:
+            if not isinstance(p, SamplingParams):
+                raise TypeError("sampling_params must be a SamplingParams or a list of one per prompt, got "
+                                f"{'a list holding ' if isinstance(given, list) else ''}{type(p).__name__}")
+            p.validate()
+        if isinstance(given, list) and len(given) != count:
+            raise ValueError(f"sampling_params is a list of {len(given)} SamplingParams for {count} prompts; "
+                             "give one per prompt, or one SamplingParams for all")
+        return given
 
     def _prompt_problem(self, ids: list[int]) -> str | None:
         """Why these ids cannot run on this engine, or None."""

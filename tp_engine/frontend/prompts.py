@@ -20,8 +20,8 @@ from tp_engine.base.textio import jsonl_lines, lone_surrogate, read_utf8
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
 PROMPT_KEYS = ("prompt", "input_ids", "messages")  # what a prompt object is made of: exactly one of them
-# Every key a prompt object may hold: the ones above, and any per-prompt option (added here); no other.
-PROMPT_OBJECT_KEYS = PROMPT_KEYS
+# Every key a prompt object may hold: the ones above, and its own settings (prompt_sampling.py); no other.
+PROMPT_OBJECT_KEYS = (*PROMPT_KEYS, "sampling")
 TOKENIZE_BATCH = 1024  # texts per call of the tokenizer
 
 

@@ -42,12 +42,48 @@ def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None 
     # fp8 activations change tokens; only when on, so that older lines keep their `run`
     if fp8 and cfg["advanced"]["fp8_gemm"] != "weight_only":
         settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]
-    for k, v in settings.items():  # `temperature: 0` and `temperature: 0.0` are one setting
-        if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
-            settings[k] = float(v)
     if cfg["load_format"] == "dummy":
         settings["tp_size"] = tp_size  # dummy weights are drawn per rank
+    return _as_floats(settings)
+
+
+def _as_floats(settings: dict) -> dict:
+    """`temperature: 0` and `temperature: 0.0` are one setting."""
+    for k, v in settings.items():
+        if k in SCHEMA and float in SCHEMA[k].type and isinstance(v, int) and not isinstance(v, bool):
+            settings[k] = float(v)
     return settings
+
+
+def prompt_settings(settings: dict, own: dict) -> dict:
+    """The settings behind the lines of a prompt with its own `sampling` (checked, by SamplingParams field):
+    the run's `settings` with those over them; `n` and `logprobs: 0` left out as run_settings leaves them."""
+    out = dict(settings)
+    for k, v in own.items():
+        if k != "n":
+            out["seed" if k == "seed" else f"sampling.{k}"] = v
+    if out.get("sampling.logprobs") == 0:
+        del out["sampling.logprobs"]
+    return _as_floats(out)
+
+
+class LineRuns:
+    """Each prompt's settings and `run`: the run's, or for a prompt with its own `sampling` (`own`, by prompt
+    index) the run's with those over them. A job's prompts without their own share one record."""
+
+    def __init__(self, settings: dict, own: dict[int, dict] | None = None) -> None:
+        self.settings, self.own, self.base = settings, own or {}, run_id(settings)
+
+    def of(self, index: int) -> dict:
+        own = self.own.get(index)
+        return self.settings if own is None else prompt_settings(self.settings, own)
+
+    def run(self, index: int) -> str:
+        return self.base if index not in self.own else run_id(self.of(index))
+
+    def samples(self, index: int, n: int) -> int:
+        """The prompt's sampling.n, `n` being the run's."""
+        return self.own.get(index, {}).get("n", n)
 
 
 def run_id(settings: dict) -> str:
@@ -76,9 +112,12 @@ class ResultSink:
 
     def __init__(self, target: Path | None, shown: str | None, settings: dict,
                  done: dict[Key, Span] | None = None, retry: list[tuple[Key, Span]] | None = None,
-                 decode: Callable[[list[int]], str | None] | None = None) -> None:
+                 decode: Callable[[list[int]], str | None] | None = None,
+                 own: dict[int, dict] | None = None) -> None:
+        """`own`: the prompts' own `sampling` settings, by index (their lines' `run` hashes those too)."""
         self.target, self.shown, self.settings, self.decode = target, shown, settings, decode
-        self.run = run_id(settings)
+        self.runs = LineRuns(settings, own)
+        self.run = self.runs.base
         self.spans: dict[Key, Span] = dict(done or {})  # each result's line in the output file
         self.done_keys = set(self.spans)  # (index, sample) of the lines kept from an earlier run
         self.retry = list(retry or [])
@@ -88,7 +127,7 @@ class ResultSink:
         self.printing = self.printed = False  # close() is printing the results to stdout; has printed them
 
     def add(self, out: dict) -> None:
-        line = json.dumps({**out, "run": self.run})
+        line = json.dumps({**out, "run": self.runs.run(out["index"])})
         if self.target is None:
             self.lines[key(out)] = line
             self.new += 1

@@ -8,23 +8,23 @@ from pathlib import Path
 
 from tp_engine.base.config import SCHEMA, ConfigError
 from tp_engine.frontend.output_file import Span
-from tp_engine.frontend.results import Key, key, run_id, settings_path
+from tp_engine.frontend.results import Key, LineRuns, key, run_id, settings_path
 
 
-def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
-                    samples: int = 1) -> tuple[dict[Key, Span], list[tuple[Key, Span]]]:
+def read_for_resume(target: Path, shown: str, encoded: list, settings: dict, samples: int = 1,
+                    own: dict[int, dict] | None = None) -> tuple[dict[Key, Span], list[tuple[Key, Span]]]:
     """(finished lines to keep, by (index, sample); error lines, kept until their prompt has run again), as
     where they are in the file: a file of any size is read a line at a time.
 
     A finished line is kept only if this run would write it: its index is in the prompt list, its sample below
-    `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's. Error
+    `samples` (sampling.n), its prompt_token_ids are the prompt's ids now, and its `run` is this run's (for a
+    prompt with its own `sampling`, `own` by index: the run's settings with those over them). Error
     lines are always retried, and so are lines cut by the request limit (`length` before max_new_tokens).
     Any other line (besides a last line cut short by a crash) refuses the run: nothing is deleted."""
     done: dict[Key, Span] = {}
     retry: list[tuple[Key, Span]] = []
     problems: list[str] = []
-    this_run, saved = run_id(settings), _saved_settings(target)
-    max_new = settings.get("sampling.max_new_tokens", 0)
+    runs, saved = LineRuns(settings, own), _saved_settings(target)
     with open(target, "rb") as f:
         end = 0
         for n, raw in enumerate(f, 1):
@@ -38,22 +38,26 @@ def read_for_resume(target: Path, shown: str, encoded: list, settings: dict,
                 problems.append(f"line {n} is not a result line")
                 continue
             i, j = key(out)
+            n_i = runs.samples(i, samples)
             if out.get("finish_reason") == "error":
-                if 0 <= i < len(encoded) and 0 <= j < samples:
+                if 0 <= i < len(encoded) and 0 <= j < n_i:
                     retry.append(((i, j), span))
             elif not 0 <= i < len(encoded):
                 problems.append(
                     f"line {n} is the result of prompt {i}, but there are {len(encoded)} prompts now")
-            elif not 0 <= j < samples:
-                problems.append(f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
-            elif out.get("run") != this_run:
-                problems.append(_settings_change(saved, out.get("run"), settings, n))
+            elif not 0 <= j < n_i:
+                problems.append(f"line {n} is sample {j} of prompt {i}, but its sampling.n is {n_i} now"
+                                if i in runs.own else
+                                f"line {n} is sample {j} of prompt {i}, but sampling.n is {samples} now")
+            elif out.get("run") != runs.run(i):
+                problems.append(_settings_change(saved, out.get("run"), runs, i, n))
             elif isinstance(encoded[i], Exception):
                 problems.append(f"line {n}: prompt {i} cannot be encoded now ({encoded[i]})")
             elif out["prompt_token_ids"] != list(encoded[i]):
                 problems.append(
                     f"line {n}: prompt {i} is not the prompt it was produced from (other token ids)")
-            elif out.get("finish_reason") == "length" and len(out.get("output_token_ids") or ()) < max_new:
+            elif out.get("finish_reason") == "length" and \
+                    len(out.get("output_token_ids") or ()) < runs.of(i).get("sampling.max_new_tokens", 0):
                 retry.append(((i, j), span))  # cut by the request limit, which depends on the KV pool: rerun
             else:
                 done[i, j] = span
@@ -93,18 +97,22 @@ def _saved_settings(target: Path) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
-def _settings_change(saved: dict, line_run, settings: dict, n: int) -> str:
+def _settings_change(saved: dict, line_run, runs: LineRuns, i: int, n: int) -> str:
     """What differs between the settings `line_run` was produced with (`saved`, from <output>.run.json) and
-    the current ones, by key."""
+    prompt i's now, by key."""
+    settings = runs.of(i)
     if line_run is None:
         return f"line {n} has no run record (written by an older version)"
     if saved.get("run") != line_run or not isinstance(saved.get("settings"), dict):
-        return f"line {n} was produced with other settings (run {line_run}, now {run_id(settings)})"
+        own = f"; the run's settings are the same: prompt {i}'s own sampling differs" \
+            if saved.get("run") == runs.base else ""
+        return f"line {n} was produced with other settings (run {line_run}, now {run_id(settings)}){own}"
     old = saved["settings"]
     changes = [_weights_change(old.get(k) or [], settings.get(k) or []) if k == "weights" else
                f"{k}={_shown(old, k)}, now {_shown(settings, k)}"
                for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
-    return "it was produced with " + "; ".join(changes)
+    what = f"line {n}: prompt {i}, with its own sampling, was" if i in runs.own else "it was"
+    return f"{what} produced with " + "; ".join(changes)
 
 
 def _shown(settings: dict, k: str) -> str:

@@ -55,3 +55,31 @@ class StopStrings:
     def _cut(self, text: str) -> str:
         """`text` before its earliest stop string."""
         return text[:min((text.find(s) for s in self.texts if s in text), default=len(text))]
+
+
+class RequestStops:
+    """Each request's own stop strings (its `params.stop`): one StopStrings per distinct list, made by `make`
+    on first use, so that requests with other stop strings share a batch."""
+
+    def __init__(self, make: Callable[[list[str]], StopStrings]) -> None:
+        self.make = make
+        self.sets: dict[tuple[str, ...], StopStrings] = {}
+
+    def of(self, req: Any) -> StopStrings | None:
+        stop = req.params.stop
+        if not stop:
+            return None
+        found = self.sets.get(tuple(stop))
+        if found is None:
+            found = self.sets[tuple(stop)] = self.make(list(stop))
+        return found
+
+    def hit(self, req: Any) -> bool:
+        """StopStrings.hit with the request's own stop strings; False for a request without any."""
+        stops = self.of(req)
+        return stops is not None and stops.hit(req)
+
+    def texts(self, req: Any) -> list[str]:
+        """The request's stop strings that are looked for in its text."""
+        stops = self.of(req)
+        return stops.texts if stops is not None else []

@@ -42,9 +42,11 @@ class TextStreams:
 
     WINDOW = 64
 
-    def __init__(self, decode: Callable[[list[int]], str | None], stops: list[str]) -> None:
-        """`stops`: the stop strings looked for in the text."""
-        self.decode, self.stops = decode, stops
+    def __init__(self, decode: Callable[[list[int]], str | None],
+                 stops: list[str] | Callable[[Any], list[str]]) -> None:
+        """`stops`: the stop strings looked for in the text, or a function giving a request's own."""
+        self.decode = decode
+        self.stops = stops if callable(stops) else lambda req: stops
         # request -> [settled text, its ids, last n, last text]; an entry goes with its request
         self.state: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
 
@@ -57,11 +59,12 @@ class TextStreams:
         whole = self._decoded(req, n)
         if whole is None:
             return None
-        text = whole[:min((whole.find(s) for s in self.stops if s in whole), default=len(whole))]
+        stops = self.stops(req)
+        text = whole[:min((whole.find(s) for s in stops if s in whole), default=len(whole))]
         if final:
             return text
         text = text.rstrip("\ufffd")  # a character whose bytes are not all there yet
-        return text[:len(text) - held_back(text, self.stops)]
+        return text[:len(text) - held_back(text, stops)]
 
     def _decoded(self, req: Any, n: int) -> str | None:
         """decode(output_ids[:n]); from the settled text on when n is at or past this request's latest."""
