@@ -17,9 +17,10 @@ from tp_engine.base import config as C
 from tp_engine.frontend.output_file import OutputLock, check_target
 from tp_engine.frontend.progress import Progress, Streamer
 from tp_engine.frontend.prompt_sampling import line_counts, own_settings
-from tp_engine.frontend.prompts import PromptEncoder, read_prompts
+from tp_engine.frontend.openai_batch_output import prepare_batch
+from tp_engine.frontend.prompts import PromptEncoder, PromptError, read_prompts
 from tp_engine.frontend.results import ResultSink, run_settings
-from tp_engine.frontend.resume import read_for_resume
+from tp_engine.frontend.resume import open_results
 from tp_engine.frontend.summary import Summary
 
 if TYPE_CHECKING:  # torch itself is imported only once the config is known to be good
@@ -128,6 +129,7 @@ class Preflight:
             target = check_target(shown, others, cfg["model"])
             self.lock = OutputLock(target, shown)
         self.encoded = encoder.encode_all(self.prompts)
+        prepare_batch(self.prompts, self.encoded, PromptError)  # the lines of a Batch API file it cannot run
         self.own = own_settings(self.prompts, self.encoded)
         self.requests, self.most_samples = line_counts(len(self.prompts), cfg["sampling"]["n"], self.own)
         # it needs torch: imported only once the config is good
@@ -136,15 +138,8 @@ class Preflight:
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         settings = run_settings(cfg, dtype, world, mc.max_position_embeddings, mc.quant is not None)
-        done, retry = {}, []
-        if target is not None and cfg["resume"] and target.exists():
-            n = cfg["sampling"]["n"]
-            done, retry = read_for_resume(target, shown, self.encoded, settings, n, self.own)
-        elif target is not None and cfg["resume"]:  # a relative output, say, from another working directory
-            log.warning("resume: %s does not exist%s: nothing to resume, every prompt runs", shown,
-                        f" ({target})" if str(target) != shown else "")
-        decode = encoder.decode if encoder.tokenizer else None
-        self.sink = ResultSink(target, shown, settings, done, retry, decode, self.own)
+        # with resume, the lines it keeps; the output lines of OpenAI Batch API requests for such a file
+        self.sink = open_results(cfg, target, shown, self.prompts, self.encoded, settings, self.own, encoder)
 
 
 _SINK: ResultSink | None = None  # rank 0's results, for the signal handler
@@ -175,7 +170,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         return finish(llm, 0)
     sink = _SINK = preflight.sink
     show_progress = cfg["progress"] and not quiet and not cfg["stream"]
-    progress = Progress(preflight.requests - len(sink.done_keys), show_progress)
+    progress = Progress(preflight.requests - len(sink.skip), show_progress)
     streamer = None
     if cfg["stream"]:
         if preflight.requests != 1:
@@ -198,7 +193,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
 
     t0 = time.perf_counter()
     # no output is kept here: the sink has each one (a job of any length runs in bounded memory)
-    llm.generate(prompts, on_finish=on_finish, skip=sink.done_keys, on_token=on_token,
+    llm.generate(prompts, on_finish=on_finish, skip=sink.skip, on_token=on_token,
                  encoded=preflight.encoded, return_outputs=False)
     seconds = time.perf_counter() - t0
     sink.close()
@@ -207,7 +202,7 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         sys.stderr.flush()
         os._exit(128 + _LATE[0])
     release_output()
-    print(summary.line(seconds, llm.engine.num_preempted, len(sink.done_keys)), file=sys.stderr)
+    print(summary.line(seconds, llm.engine.num_preempted, len(sink.skip)), file=sys.stderr)
     if not summary.errors:
         return finish(llm, 0)
     # Every prompt has its line: a few bad prompts in a large batch leave the job successful (a scheduler

@@ -65,6 +65,17 @@ def canonical_json(v: Any) -> str:
     return json.dumps(keyed(v), sort_keys=True, default=str)
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json.loads' object_pairs_hook for an object whose keys are all different (json.loads would keep the
+    last of two); a key given twice raises KeyError naming it."""
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise KeyError(k)
+        seen.add(k)
+    return dict(pairs)
+
+
 def jsonl_lines(text: str) -> list[str]:
     """The lines of a JSONL text. Only "\\n" ends a line: `str.splitlines()` also splits on U+2028 and other
     characters that JSON strings may hold raw. A "\\r" before it (Windows line ends) is dropped."""

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 from tp_engine.base.api_args import as_ids, prompt_type_problem
 from tp_engine.base.config import ConfigError
-from tp_engine.base.textio import jsonl_lines, lone_surrogate, read_utf8
+from tp_engine.base.textio import jsonl_lines, lone_surrogate, read_utf8, unique_keys
+from tp_engine.frontend.openai_batch import BatchFile, is_batch_request
 
 Prompt = Any  # str | list[int] | {"prompt": str} | {"input_ids": [...]} | {"messages": [...]}
 PROMPT_KEYS = ("prompt", "input_ids", "messages")  # what a prompt object is made of: exactly one of them
@@ -42,16 +43,24 @@ def read_prompts(cfg: dict) -> list[Prompt]:
     if not path.is_file():
         what = "not a regular file" if path.exists() else "file not found"
         raise ConfigError(f"config key 'prompts_file': {what}: {path}")
-    prompts = []
+    prompts, batch = [], None  # batch: the file's first line is an OpenAI Batch API request
     for n, line in enumerate(jsonl_lines(read_utf8(path, ConfigError)), 1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line, object_pairs_hook=_unique_keys)
+            item = json.loads(line, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} line {n}: not valid JSON ({e.msg})") from None
         except KeyError as e:
             raise ConfigError(f"{path} line {n}: key '{e.args[0]}' is given twice in one object") from None
+        if batch is None:
+            batch = BatchFile(path) if is_batch_request(item) else False
+        if isinstance(batch, BatchFile):  # a list: empty at first
+            batch.add(n, item)
+            continue
+        if is_batch_request(item):
+            raise ConfigError(f"{path} line {n}: an OpenAI Batch API request, but the file's first line is a "
+                              "prompt object; a file holds one kind of line")
         if not isinstance(item, dict) or not set(PROMPT_KEYS) & set(item):
             unknown = unknown_key(item) if isinstance(item, dict) else None
             raise ConfigError(f"{path} line {n}: expected an object with 'prompt', 'input_ids' or 'messages'"
@@ -60,6 +69,7 @@ def read_prompts(cfg: dict) -> list[Prompt]:
         if ids is not None:  # else the prompt's error says what is wrong
             item["input_ids"] = compact(ids)
         prompts.append(item)
+    prompts = batch if isinstance(batch, BatchFile) else prompts
     if not prompts:
         raise ConfigError(f"config key 'prompts_file': {path} holds no prompts: nothing to generate")
     return prompts
@@ -71,16 +81,6 @@ def compact(ids: list[int]) -> Sequence[int]:
         return array("i", ids)
     except OverflowError:  # an id no vocabulary has: the prompt's error names it
         return ids
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """A JSON object whose keys are all different (json.loads would keep the last of two)."""
-    seen: set[str] = set()
-    for k, _ in pairs:
-        if k in seen:
-            raise KeyError(k)
-        seen.add(k)
-    return dict(pairs)
 
 
 def unknown_key(prompt: dict) -> str | None:

@@ -126,8 +126,17 @@ class ResultSink:
         self.file = None
         self.printing = self.printed = False  # close() is printing the results to stdout; has printed them
 
+    @property
+    def skip(self) -> set[Key]:
+        """The (index, sample) pairs of the lines kept from an earlier run: generate() skips them."""
+        return self.done_keys
+
+    def line(self, out: dict) -> str:
+        """The output line of a finished request."""
+        return json.dumps({**out, "run": self.runs.run(out["index"])})
+
     def add(self, out: dict) -> None:
-        line = json.dumps({**out, "run": self.runs.run(out["index"])})
+        line = self.line(out)
         if self.target is None:
             self.lines[key(out)] = line
             self.new += 1

@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 from tp_engine.base.config import SCHEMA, ConfigError
+from tp_engine.frontend.openai_batch import BatchFile
+from tp_engine.frontend.openai_batch_output import BatchSink, read_batch_resume
 from tp_engine.frontend.output_file import Span
-from tp_engine.frontend.results import Key, LineRuns, key, run_id, settings_path
+from tp_engine.frontend.prompts import PromptEncoder
+from tp_engine.frontend.results import Key, LineRuns, ResultSink, key, run_id, settings_path
+
+log = logging.getLogger("tp_engine")
+
+
+def open_results(cfg: dict, target: Path | None, shown: str | None, prompts: list, encoded: list,
+                 settings: dict, own: dict[int, dict], encoder: PromptEncoder) -> ResultSink:
+    """The run's ResultSink, holding (with `resume` and an existing output) the lines it keeps and those it
+    runs again; for an OpenAI Batch API file, a BatchSink, whose lines are that API's output lines."""
+    batch = prompts if isinstance(prompts, BatchFile) else None
+    n, done, retry = cfg["sampling"]["n"], {}, []
+    if target is not None and cfg["resume"] and target.exists():
+        if batch is not None:
+            done, retry = read_batch_resume(target, shown, batch, encoded, LineRuns(settings, own))
+        else:
+            done, retry = read_for_resume(target, shown, encoded, settings, n, own)
+    elif target is not None and cfg["resume"]:  # a relative output, say, from another working directory
+        log.warning("resume: %s does not exist%s: nothing to resume, every prompt runs", shown,
+                    f" ({target})" if str(target) != shown else "")
+    if batch is None:
+        return ResultSink(target, shown, settings, done, retry, encoder.decode if encoder.tokenizer else None,
+                          own)
+    tok = encoder.tokenizer  # a token's text, special tokens shown
+    token = (lambda i: tok.decode([i])) if tok is not None else (lambda i: f"token_id:{i}")
+    return BatchSink(batch, n, Path(cfg["model"]).name, token, target, shown, settings, done, retry, own=own)
 
 
 def read_for_resume(target: Path, shown: str, encoded: list, settings: dict, samples: int = 1,
