@@ -25,13 +25,17 @@ Workloads (comma-separated, or `all`):
               rates for deep prompt tokens in place of the model's (`cost_N_span_S`, step_budget.py)
   sampling    the throughput workload twice in one call: temperature only, then with --top-k/--top-p
               (Qwen3's recommended 20 and 0.95 when both are unset); both figures and their ratio
+  mixed       the throughput workload's requests twice in one call: one shared setting (--temperature,
+              top-k 20, top-p 0.95), then settings per request (every other one greedy, the rest that
+              shared setting; every third with 5 logprobs), in shared batches; the same prompts and
+              max_new_tokens; both figures and their ratio
   n8          --n-prompts prompts (64) x --n-samples samples (8) of --n-new-tokens (512) each, against the
               same number of requests sent as separate prompts; both figures and their ratio
   soak        --num-requests (100,000) short requests (16-64 prompt tokens, 16-32 new, greedy and
               sampled, shared prefixes) through one LLM in many generate calls: output tok/s, host RSS,
               GPU memory and open files per tenth, PASS/FAIL per target on stderr (launch/bench_soak.py)
 
-(shared_prefix, long_prompt, sampling, n8 and soak are not part of `all`.)
+(shared_prefix, long_prompt, sampling, mixed, n8 and soak are not part of `all`.)
 The throughput workload samples with --temperature, --top-k and --top-p.
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
@@ -85,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True,
                    help="directory with config.json (public Qwen3 shapes in configs/models)")
     p.add_argument("--workload", default="latency",
-                   help="latency, throughput, load, shared_prefix, long_prompt, sampling, n8, soak "
+                   help="latency, throughput, load, shared_prefix, long_prompt, sampling, mixed, n8, soak "
                         "(comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -520,15 +524,16 @@ def host_profile(engine: Engine, args, res: dict) -> None:
 
 
 def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", top_k: int | None = None,
-                     top_p: float | None = None) -> None:
+                     top_p: float | None = None, settings=None) -> None:
+    """settings(k, max_new_tokens): request k's SamplingParams in place of the one shared setting."""
     vocab = engine.model_cfg.vocab_size
     top_k = args.top_k if top_k is None else top_k
     top_p = args.top_p if top_p is None else top_p
+    shared = {"temperature": args.temperature, "top_k": top_k, "top_p": top_p}
 
     def make(specs, base):
-        return [RequestOutput(base + k, list(ids),
-                              SamplingParams(temperature=args.temperature, top_k=top_k, top_p=top_p,
-                                             max_new_tokens=o, ignore_eos=True, seed=args.seed))
+        return [RequestOutput(base + k, list(ids), settings(k, o) if settings else
+                              SamplingParams(**shared, max_new_tokens=o, ignore_eos=True, seed=args.seed))
                 for k, (ids, o) in enumerate(specs)]
 
     warm = throughput_requests(args, vocab, 32, args.seed + 1)
@@ -555,8 +560,12 @@ def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", t
     n_out = sum(len(r.output_ids) for r in reqs)
     ttft = [first[r.index] - t0 for r in reqs]
     tpot = [(last[r.index] - first[r.index]) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    if settings:  # what the requests' own settings were
+        shared = {"greedy_requests": sum(r.params.temperature == 0 for r in reqs),
+                  "top_k_top_p_requests": sum(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs),
+                  "logprobs_requests": sum(r.params.logprobs > 0 for r in reqs)}
     res[key] = {
-        "top_k": top_k, "top_p": top_p, "temperature": args.temperature,
+        **shared,
         "output_tok_s": round(n_out / wall, 1), "seconds": round(wall, 3), "requests": len(reqs),
         "prompt_tokens": sum(len(r.prompt_ids) for r in reqs), "output_tokens": n_out,
         "total_tok_s": round((n_out + sum(len(r.prompt_ids) for r in reqs)) / wall, 1),
@@ -685,6 +694,28 @@ def bench_sampling(engine: Engine, args, res: dict) -> None:
     if engine.tp.is_first:
         out["ratio"] = round(out["top_k_top_p"]["output_tok_s"] / out["temperature_only"]["output_tok_s"], 4)
         res["sampling"] = out
+
+
+def mixed_settings(args, top_k: int, top_p: float):
+    """Request k's settings in the mixed run: greedy for even k, else --temperature with top_k/top_p; every
+    third request with 5 logprobs; max_new_tokens as drawn."""
+    def settings(k: int, o: int) -> SamplingParams:
+        t, kk, p = (args.temperature, top_k, top_p) if k % 2 else (0.0, 0, 1.0)
+        return SamplingParams(temperature=t, top_k=kk, top_p=p, max_new_tokens=o, ignore_eos=True,
+                              seed=args.seed, logprobs=5 if k % 3 == 0 else 0)
+    return settings
+
+
+def bench_mixed(engine: Engine, args, res: dict) -> None:
+    """The throughput requests with one shared setting, then with mixed per-request settings, in shared
+    batches: what mixing costs. Both runs draw the same prompts and max_new_tokens."""
+    top_k, top_p = (args.top_k, args.top_p) if args.top_k or args.top_p < 1 else (20, 0.95)
+    out: dict = {}
+    bench_throughput(engine, args, out, "shared", top_k, top_p)
+    bench_throughput(engine, args, out, "mixed", settings=mixed_settings(args, top_k, top_p))
+    if engine.tp.is_first:
+        out["ratio"] = round(out["mixed"]["output_tok_s"] / out["shared"]["output_tok_s"], 4)
+        res["mixed"] = out
 
 
 def bench_n_samples(engine: Engine, args, res: dict) -> None:
@@ -863,6 +894,8 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_long_prompt(engine, args, res)
     if "sampling" in workloads:
         bench_sampling(engine, args, res)
+    if "mixed" in workloads:
+        bench_mixed(engine, args, res)
     if "n8" in workloads:
         bench_n_samples(engine, args, res)
     if engine.ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape

@@ -224,8 +224,33 @@ def test_n_and_logprobs_are_checked(ckpt, key, value, message):
         SamplingParams(**{key.split(".")[1]: value})
 
 
+def bench_module():
+    import sys
+
+    from helpers import ROOT
+    sys.path.insert(0, str(ROOT / "launch"))
+    import bench
+    return bench
+
+
+def test_bench_mixed_settings_mix_greedy_and_sampled_with_the_drawn_budgets():
+    """launch/bench.py's mixed run: even requests greedy, odd ones the shared setting (temperature, top-k,
+    top-p), logprobs on some of each and off on the rest; each keeps its drawn max_new_tokens."""
+    bench = bench_module()
+    args = bench.parse_args(["--model", "m", "--temperature", "0.7"])
+    draws = [o for _, o in bench.throughput_requests(args, 384, 12, args.seed)]
+    ps = [bench.mixed_settings(args, 20, 0.95)(k, o) for k, o in enumerate(draws)]
+    assert [p.max_new_tokens for p in ps] == draws and all(p.ignore_eos for p in ps)
+    assert [(p.temperature, p.top_k, p.top_p) for p in ps[0::2]] == [(0.0, 0, 1.0)] * 6
+    assert [(p.temperature, p.top_k, p.top_p) for p in ps[1::2]] == [(0.7, 20, 0.95)] * 6
+    for half in (ps[0::2], ps[1::2]):
+        assert {p.logprobs for p in half} == {0, 5}
+
+
 @pytest.mark.slow
-def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
+def test_bench_sampling_mixed_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
+    """launch/bench.py's sampling, mixed and n8 workloads on CPU: each ratio is its two runs' rates; the
+    mixed run has greedy and top-k/top-p requests and the same prompts and token budgets as the shared one."""
     import os
     import subprocess
     import sys
@@ -233,7 +258,7 @@ def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     from helpers import ROOT, assert_rate_ratio
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(ckpt), "--engine", "ours",
-           "--workload", "sampling,n8", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
+           "--workload", "sampling,mixed,n8", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
            "--n-prompts", "2", "--n-samples", "3", "--n-new-tokens", "8", "--prompt-len", "8",
            "--set", "device=cpu", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
@@ -246,3 +271,13 @@ def test_bench_sampling_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     assert_rate_ratio(s["ratio"], s["top_k_top_p"], s["temperature_only"])
     assert_rate_ratio(res["n8"]["ratio"], res["n8"]["n_samples"], res["n8"]["separate_prompts"])
     assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48
+    m, bench = res["mixed"], bench_module()
+    assert_rate_ratio(m["ratio"], m["mixed"], m["shared"])
+    assert (m["shared"]["top_k"], m["shared"]["top_p"]) == (20, 0.95)
+    assert (m["mixed"]["greedy_requests"], m["mixed"]["top_k_top_p_requests"]) == (2, 2)
+    assert m["mixed"]["logprobs_requests"] == 2  # requests 0 and 3
+    specs = bench.throughput_requests(bench.parse_args(["--model", "m", "--min-len", "8", "--max-len", "16"]),
+                                      384, 4, 0)
+    for run in (m["shared"], m["mixed"]):  # ignore_eos: each request writes its whole budget
+        assert (run["requests"], run["prompt_tokens"], run["output_tokens"]) == \
+            (4, sum(len(ids) for ids, _ in specs), sum(o for _, o in specs))
