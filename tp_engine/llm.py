@@ -23,6 +23,7 @@ from tp_engine.frontend.lifeline import exit_with_launcher
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
 from tp_engine.frontend.stop_strings import StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
@@ -83,7 +84,7 @@ class LLM:
         self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
-        self.rank0 = self.tp.is_first
+        self.rank0 = self.tp.world_rank == 0  # the job's first rank: with several replicas, their coordinator
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
@@ -147,20 +148,26 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        if not self.rank0:
-            self.engine.follow()
+        dp = self.tp.dp  # several replicas: rank 0 hands out requests, each replica's first rank runs some
+        if not self.tp.is_first:
+            self.engine.follow() if dp is None else follow_share(self.engine, dp)
             return None
         try:  # the other ranks already wait for the first step: a failure here must release them
             if encoded is not None and len(encoded) != len(prompts):
                 raise ValueError(f"encoded holds {len(encoded)} entries for {len(prompts)} prompts")
             self.prompts.check_stop_strings(params.stop)
         except BaseException:
-            self.engine.release_followers()
+            release(self.engine, dp)
             raise
-        outputs: dict[tuple[int, int], dict] = {}
         enc = self.prompts
         stops = StopStrings(params.stop, enc.decode, enc.special_ids, enc.num_tokens, enc.special_texts) \
             if params.stop else None
+        if not self.rank0:
+            run_share(self.engine, dp, stops.hit if stops else None)
+            return None
+        if dp is not None and encoded is None:  # here, not on the coordinator's thread (the tokenizer's)
+            encoded = [self.prompts.try_encode(p) for p in prompts]
+        outputs: dict[tuple[int, int], dict] = {}
         texts = TextStreams(enc.decode, stops.texts if stops else [])
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
@@ -185,9 +192,10 @@ class LLM:
                     req = RequestOutput(i, ids, params, sample=j)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
-                        finish(req)
-                    else:
+                    if error is None or dp is not None:  # the coordinator passes an error on to on_remote
                         yield req
+                    else:
+                        finish(req)
 
         def check_token(req: RequestOutput) -> bool:
             hit = stops is not None and stops.hit(req)
@@ -195,10 +203,22 @@ class LLM:
                 on_token(texts.update(req, "stop" if hit else req.finish_reason))
             return hit
 
+        def on_remote(req: RequestOutput) -> None:
+            """Another replica's result (or an error one): its tokens' updates at once, then its end."""
+            n = len(req.output_ids)
+            for k in range(1, n + 1) if on_token is not None else ():
+                reason = req.finish_reason if k == n else None
+                on_token(TokenUpdate(req.index, req.sample, k, reason, texts, req))
+            finish(req)
+
         made = requests()
         self._generating = True
         try:
-            self.engine.run(made, check_token if (stops or on_token) else None, finish)
+            check = check_token if (stops or on_token) else None
+            if dp is None:
+                self.engine.run(made, check, finish)
+            else:
+                run_job(self.engine, dp, made, check, finish, on_remote)
         finally:
             self._generating = False
             made.close()  # after a failure the scheduler still holds it: keep nothing of this call
