@@ -136,8 +136,8 @@ class Preflight:
         from tp_engine.checkpoint.model_config import ModelConfig
         mc = ModelConfig.from_dir(cfg["model"])
         dtype = cfg["dtype"] if cfg["dtype"] != "auto" else mc.auto_dtype(device.type)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        settings = run_settings(cfg, dtype, world, mc.max_position_embeddings, mc.quant is not None)
+        tp = cfg["tensor_parallel_size"] or int(os.environ.get("WORLD_SIZE", "1"))  # each replica's
+        settings = run_settings(cfg, dtype, tp, mc.max_position_embeddings, mc.quant is not None)
         # with resume, the lines it keeps; the output lines of OpenAI Batch API requests for such a file
         self.sink = open_results(cfg, target, shown, self.prompts, self.encoded, settings, self.own, encoder)
 

@@ -24,6 +24,7 @@ from tp_engine.frontend.prompt_sampling import has_stop_strings, params_for
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
 from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
+from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
 from tp_engine.frontend.stop_strings import RequestStops, StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
@@ -84,7 +85,7 @@ class LLM:
         self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.tp)
         atexit.register(self._at_exit)
         self.tp = self.engine.tp
-        self.rank0 = self.tp.is_first
+        self.rank0 = self.tp.world_rank == 0  # the job's first rank: with several replicas, their coordinator
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
@@ -148,8 +149,9 @@ class LLM:
         self.engine.check_usable()
         prompts = list(prompts if encoded is not None else as_list(prompts))  # the caller may change its list
         params = self._sampling_params(sampling_params, len(prompts))
-        if not self.rank0:
-            self.engine.follow()
+        dp = self.tp.dp  # several replicas: rank 0 hands out requests, each replica's first rank runs some
+        if not self.tp.is_first:
+            self.engine.follow() if dp is None else follow_share(self.engine, dp)
             return None
         try:  # the other ranks already wait for the first step: a failure here must release them
             if encoded is not None and len(encoded) != len(prompts):
@@ -157,12 +159,17 @@ class LLM:
             for p in params if isinstance(params, list) else [params]:
                 self.prompts.check_stop_strings(p.stop)
         except BaseException:
-            self.engine.release_followers()
+            release(self.engine, dp)
             raise
-        outputs: dict[tuple[int, int], dict] = {}
         enc = self.prompts
         stops = RequestStops(lambda stop: StopStrings(stop, enc.decode, enc.special_ids, enc.num_tokens,
                                                       enc.special_texts))  # each request's own
+        if not self.rank0:  # another replica's first rank: its requests come with their own settings
+            run_share(self.engine, dp, stops.hit)
+            return None
+        if dp is not None and encoded is None:  # here, not on the coordinator's thread (the tokenizer's)
+            encoded = [self.prompts.try_encode(p) for p in prompts]
+        outputs: dict[tuple[int, int], dict] = {}
         texts = TextStreams(enc.decode, stops.texts)
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
@@ -191,9 +198,10 @@ class LLM:
                     req = RequestOutput(i, ids, p, sample=j)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
-                        finish(req)
-                    else:
+                    if error is None or dp is not None:  # the coordinator passes an error on to on_remote
                         yield req
+                    else:
+                        finish(req)
 
         def check_token(req: RequestOutput) -> bool:
             hit = stops.hit(req)
@@ -201,11 +209,23 @@ class LLM:
                 on_token(texts.update(req, "stop" if hit else req.finish_reason))
             return hit
 
+        def on_remote(req: RequestOutput) -> None:
+            """Another replica's result (or an error one): its tokens' updates at once, then its end."""
+            n = len(req.output_ids)
+            for k in range(1, n + 1) if on_token is not None else ():
+                reason = req.finish_reason if k == n else None
+                on_token(TokenUpdate(req.index, req.sample, k, reason, texts, req))
+            finish(req)
+
         made = requests()
         self._generating = True
         try:
             stopping = has_stop_strings(prompts, params if isinstance(params, list) else [params])
-            self.engine.run(made, check_token if (stopping or on_token) else None, finish)
+            check = check_token if (stopping or on_token) else None
+            if dp is None:
+                self.engine.run(made, check, finish)
+            else:
+                run_job(self.engine, dp, made, check, finish, on_remote)
         finally:
             self._generating = False
             made.close()  # after a failure the scheduler still holds it: keep nothing of this call

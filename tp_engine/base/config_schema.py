@@ -31,6 +31,11 @@ SCHEMA: dict[str, Key] = {
         "bfloat16), float32 on CPU",
         ("auto", "float32", "float16", "bfloat16")),
     "device": Key(_STR, "auto", "auto = cuda if available, else cpu", ("auto", "cpu", "cuda")),
+    "tensor_parallel_size": Key(
+        _INT + _NONE, None,
+        "ranks per model replica; the job's ranks form world size / tensor_parallel_size data-parallel "
+        "replicas of consecutive ranks, each its own engine; default: all ranks, one replica",
+        check=checks.positive),
     "seed": Key(_INT, 0, "seed for sampling and dummy weights, 0 <= seed < 2**32", check=checks.seed),
     "attention_backend": Key(
         _STR, "auto", "auto = flashinfer on CUDA, torch on CPU", ("auto", "flashinfer", "torch")),

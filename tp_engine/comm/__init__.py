@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tp_engine.comm.custom_all_reduce import _PushAllReduce, enable_fast_all_reduce, failure_report
 from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, gloo_reason, init_distributed,
-                                  mark_out_of_step, pick_device, set_tp, shutdown)
+                                  mark_out_of_step, pick_device, set_tp, shutdown, world_cpu_group)
 
 __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "mark_out_of_step",
            "StartupError",
@@ -80,7 +80,7 @@ def broadcast(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Overwrite `x` on every rank with rank 0's `x`, on the compute device (the sampled tokens, each step).
     On CUDA the host does not wait: the copy is queued on the stream like a kernel."""
     if tp.size > 1:
-        dist.broadcast(x, src=0, group=tp.group)
+        dist.broadcast(x, group=tp.group, group_src=0)
     return x
 
 
@@ -98,15 +98,16 @@ def broadcast_ints(values: torch.Tensor | None, tp: TPGroup | None = None) -> to
         # too large for the shared buffer: this message goes through gloo (the channel said so to all)
     n = torch.tensor([values.numel() if tp.rank == 0 else 0], dtype=torch.int64)
     try:
-        dist.broadcast(n, src=0, group=tp.cpu_group)
+        dist.broadcast(n, group=tp.cpu_group, group_src=0)
     except RuntimeError as e:  # a follower waited timeout_s for rank 0, or rank 0 is gone: say so in one line
         if tp.rank == 0:
             raise
-        raise RuntimeError(f"rank {tp.rank}: no step message from rank 0 within timeout_s "
+        raise RuntimeError(f"rank {tp.world_rank}: no step message from rank {tp.world_rank - tp.rank} "
+                           "within timeout_s "
                            f"({gloo_reason(e)}); another rank probably failed") from None
     if tp.rank != 0:
         values = torch.empty(int(n.item()), dtype=torch.int64)
-    dist.broadcast(values, src=0, group=tp.cpu_group)
+    dist.broadcast(values, group=tp.cpu_group, group_src=0)
     return values
 
 
@@ -116,7 +117,7 @@ def broadcast_object(obj, tp: TPGroup | None = None):
     if tp.size == 1:
         return obj
     box = [obj if tp.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+    dist.broadcast_object_list(box, group=tp.cpu_group, group_src=0)
     return box[0]
 
 
@@ -130,15 +131,18 @@ def all_gather_object(obj, tp: TPGroup | None = None) -> list:
 
 
 def barrier(tp: TPGroup | None = None) -> None:
+    """Every rank of the job meets (all replicas, with data parallelism)."""
     tp = tp or get_tp()
-    if tp.size > 1:
-        dist.barrier(group=tp.cpu_group)
+    if tp.size > 1 or tp.dp is not None:
+        dist.barrier(group=world_cpu_group(tp))
 
 
-def all_reduce_min(value: int, tp: TPGroup | None = None) -> int:
+def all_reduce_min(value: int, tp: TPGroup | None = None, everywhere: bool = False) -> int:
+    """The smallest `value` over the ranks of `tp`, or of the whole job (`everywhere`: all replicas)."""
     tp = tp or get_tp()
-    if tp.size == 1:
+    group = world_cpu_group(tp) if everywhere else tp.cpu_group
+    if tp.size == 1 and (tp.dp is None or not everywhere):
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())

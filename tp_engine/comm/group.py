@@ -2,7 +2,8 @@
 
 Two process groups: `group` carries tensors on the compute device (NCCL on CUDA, gloo on CPU) and
 `cpu_group` (gloo) carries the small control messages rank 0 sends each step. A world of one has no
-groups, so a single-process run needs no torchrun.
+groups, so a single-process run needs no torchrun. With data parallelism (tensor_parallel_size below the
+world size) both are the groups of this rank's replica, and `rank` is its rank there (comm/replicas.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_engine.comm.replicas import DPGroup, replica_groups, tp_size_for
 from tp_engine.comm.shm_channel import ShmChannel
 
 log = logging.getLogger("tp_engine")
@@ -30,10 +32,16 @@ class TPGroup:
     channel: ShmChannel | None = None  # fast path of broadcast_ints when all ranks share a host
     # the small-message all-reduce its engine set up at start-up (comm/custom_all_reduce.py), or None: NCCL
     fast_all_reduce: Any = None
+    dp: DPGroup | None = None  # this rank's replica among several; None: the world is one TP group
 
     @property
     def is_first(self) -> bool:
+        """The group's first rank: it schedules, samples and sends the step messages."""
         return self.rank == 0
+
+    @property
+    def world_rank(self) -> int:
+        return self.dp.world_rank if self.dp is not None else self.rank
 
 
 _TP = TPGroup()
@@ -62,14 +70,18 @@ _WORLD_TIMEOUT_S = 0.0  # the timeout_s of the world group this process joined
 _CHANNELS: list[ShmChannel] = []  # step channels made since, closed when leaving the world
 
 
-def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto") -> TPGroup:
-    """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one).
+def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channel: str = "auto",
+                     tp_size: int | None = None) -> TPGroup:
+    """Join the torchrun world described by RANK/WORLD_SIZE (a plain `python` run is a world of one), as one
+    of its world / tp_size replicas (tp_size None: the whole world is one TP group); a tp_size that does not
+    divide the world raises ValueError before any collective.
 
     step_channel (config key advanced.step_channel): how `broadcast_ints` carries rank 0's step messages.
-    shm: a shared-memory mailbox when all ranks share one x86 host, else gloo (with a warning); gloo: the
-    CPU group; auto: shm on CUDA where it can be set up, gloo otherwise."""
+    shm: a shared-memory mailbox when all ranks of the TP group share one x86 host, else gloo (with a
+    warning); gloo: the CPU group; auto: shm on CUDA where it can be set up, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    tp = tp_size_for(world, tp_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1:
@@ -89,20 +101,28 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0, step_channe
                                 device_id=device if device.type == "cuda" else None)
         _WORLD_TIMEOUT_S = timeout_s
     wants = step_channel == "shm" or (step_channel == "auto" and device.type == "cuda")
-    keep = _TP.channel if _TP.size == world and wants else None  # joined before (a tool, then the engine)
+    keep = _TP.channel if _TP.size == tp and wants else None  # joined before (a tool, then the engine)
     # Decided alike on every rank, so the collectives below stay in step even when the ranks were given
     # different settings (check_startup then says so): a later engine with another timeout_s gets groups of
     # its own, and the step channel is kept only with this engine's timeout_s (an earlier engine keeps it
     # either way).
     votes = torch.tensor([timeout_s != _WORLD_TIMEOUT_S, keep is None or keep.timeout_s != timeout_s,
-                          not wants], dtype=torch.int32, device=device)
+                          not wants, tp, -tp], dtype=torch.int32, device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    new_groups, new_channel, no_channel = votes.tolist()
-    group = (dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if new_groups
-             else dist.group.WORLD)
-    cpu_group = (group if device.type == "cpu"
-                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
-    set_tp(TPGroup(rank, world, device, group, cpu_group, None if new_channel or no_channel else keep))
+    new_groups, new_channel, no_channel, most, least = votes.tolist()
+    if most != -least:  # the groups below would not match: say so on every rank before making them
+        raise StartupError(
+            f"ranks were started with different tensor_parallel_size (from {-least} to {most})")
+    dp = None
+    if tp < world:
+        group, cpu_group, dp = replica_groups(world, rank, tp, dist.get_backend(), timeout_s, device.type)
+    else:
+        timeout = timedelta(seconds=timeout_s)
+        group = dist.new_group(backend=dist.get_backend(), timeout=timeout) if new_groups else \
+            dist.group.WORLD
+        cpu_group = group if device.type == "cpu" else dist.new_group(backend="gloo", timeout=timeout)
+    channel = None if new_channel or no_channel or dp is not None else keep
+    set_tp(TPGroup(rank % tp, tp, device, group, cpu_group, channel, dp=dp))
     if _TP.channel is None and not no_channel:
         _TP.channel = ShmChannel.create(_TP, timeout_s)
         if _TP.channel is not None:
@@ -128,12 +148,17 @@ def shutdown(tp: TPGroup | None = None) -> None:
     if _OUT_OF_STEP:
         return
     if dist.is_initialized():
-        dist.barrier(group=(tp or _TP).cpu_group)  # no rank tears down while another still talks to it
+        dist.barrier(group=world_cpu_group(tp or _TP))  # no rank tears down while another still talks to it
         for channel in _CHANNELS:
             channel.close()
         _CHANNELS.clear()
         dist.destroy_process_group()
     set_tp(TPGroup())
+
+
+def world_cpu_group(tp: TPGroup):
+    """The CPU group of every rank of the job: the TP group's, unless there are several replicas."""
+    return tp.dp.world_cpu if tp.dp is not None else tp.cpu_group
 
 
 class StartupError(RuntimeError):
@@ -155,10 +180,11 @@ def check_startup(error: BaseException | None, fingerprint: str, tp: TPGroup | N
     tp = tp or _TP
     mine = (None if error is None else str(error), fingerprint, int(os.environ.get("WORLD_SIZE", "1")))
     reports = [mine]
-    if tp.size > 1:
-        reports = [None] * tp.size
+    world = tp.size * (tp.dp.count if tp.dp is not None else 1)
+    if world > 1:
+        reports = [None] * world
         try:
-            dist.all_gather_object(reports, mine, group=tp.cpu_group)
+            dist.all_gather_object(reports, mine, group=world_cpu_group(tp))
         except RuntimeError as e:  # gloo's timeout, or a peer gone: one line instead of a C++ trace
             raise StartupError(f"not every rank reported at start-up within timeout_s ({gloo_reason(e)}); "
                                "rank 0 encodes all prompts first: a very large prompts_file needs a larger "

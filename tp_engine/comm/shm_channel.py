@@ -50,7 +50,7 @@ class ShmChannel:
         except OSError as e:
             err = str(e)
         box = [(name, err)]
-        dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+        dist.broadcast_object_list(box, group=tp.cpu_group, group_src=0)
         name = box[0]
         if name[1] is not None:
             return None
@@ -89,7 +89,8 @@ class ShmChannel:
                 if deadline is None:
                     deadline = time.monotonic() + self.timeout_s
                 elif time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {self.tp.rank}: no step message from rank 0 in "
+                    first = self.tp.world_rank - self.tp.rank
+                    raise RuntimeError(f"rank {self.tp.world_rank}: no step message from rank {first} in "
                                        f"{self.timeout_s:.0f} s (timeout_s); another rank probably failed")
 
     def send(self, values: torch.Tensor) -> torch.Tensor | None:

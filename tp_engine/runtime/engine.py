@@ -36,11 +36,13 @@ class Engine:
     def __init__(self, cfg: dict, preflight: Callable[[torch.device], None] | None = None) -> None:
         """`preflight(device)` runs on rank 0 before any rank loads weights; see LLM."""
         self.cfg, self.broken = cfg, None  # broken: why the ranks may be out of step (see check_usable)
-        try:
+        try:  # a missing device, a TP size that does not divide the world: the same on every rank, each
+            # exits and rank 0 says why
             device = comm.pick_device(cfg["device"])
-        except ValueError as e:  # the same on every rank: each exits, rank 0 says why
+            self.tp = comm.init_distributed(device, cfg["timeout_s"], cfg["advanced"]["step_channel"],
+                                            cfg["tensor_parallel_size"])
+        except ValueError as e:
             raise comm.StartupError(str(e)) from None
-        self.tp = comm.init_distributed(device, cfg["timeout_s"], cfg["advanced"]["step_channel"])
         self.device = device
         error, ops = None, None
         if preflight is not None and self.tp.is_first:

@@ -68,11 +68,12 @@ def num_pages(engine, per_page: int, graph_tokens: int, graph_batch: int) -> tup
         return kvc["num_pages"], plan
     if engine.device.type != "cuda":
         most = cfg["max_batch_size"] * pages_for(engine.max_model_len, kvc["page_size"])
-        n = comm.all_reduce_min(budget_pages(per_page, most), engine.tp)
+        n = comm.all_reduce_min(budget_pages(per_page, most), engine.tp, everywhere=True)
         check_pool(n, kvc, per_page)
     else:
         plan = measure(engine, graph_tokens, graph_batch)
-        n = comm.all_reduce_min(max(plan.kv // per_page - 1, 0), engine.tp)  # the scratch page counted
+        # the scratch page counted; every replica alike, so that a prompt one can run, all can
+        n = comm.all_reduce_min(max(plan.kv // per_page - 1, 0), engine.tp, everywhere=True)
         if n < 1:
             raise ValueError(f"no room for the KV cache on {engine.device}: {explain(engine, plan)}; lower "
                              "max_prefill_tokens, cuda_graph_max_tokens or cuda_graph_max_batch, raise "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from tp_engine.attention.kv_cache import pages_for
 from tp_engine.runtime.page_pool import PagePool, chain_keys
@@ -55,6 +55,7 @@ class Scheduler:
         self.num_preempted = 0
         self._slots = 0
         self._source: Iterator[RequestOutput] = iter(())
+        self._take: Callable[[int], Iterable[RequestOutput]] | None = None  # a replica's share, see feed()
 
     def add(self, out: RequestOutput) -> RequestState:
         """Queue a request; returns the scheduler's state of it."""
@@ -65,10 +66,18 @@ class Scheduler:
         return req
 
     def feed(self, requests: Iterable[RequestOutput]) -> None:
-        """Requests to add as room comes: a job of any length holds a batch of them beyond those running."""
-        self._source = iter(requests)
+        """Requests to add as room comes: a job of any length holds a batch of them beyond those running.
+
+        A source with a `take(n)` method (a data-parallel replica's share of the job, runtime/replicas.py) is
+        asked every step, for as many as can start soon (none while some wait), and gives what it has."""
+        self._take = getattr(requests, "take", None)
+        self._source = iter(()) if self._take is not None else iter(requests)
 
     def has_work(self) -> bool:
+        if self._take is not None:
+            room = 0 if self.waiting else self.max_batch - len(self.running)
+            for out in self._take(room):
+                self.add(out)
         for out in itertools.islice(self._source, max(self.max_batch - len(self.waiting), 0)):
             self.add(out)
         return bool(self.waiting or self.running)
