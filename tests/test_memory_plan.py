@@ -19,7 +19,7 @@ def fake_engine(weights: int = 61 * GiB) -> SimpleNamespace:
            "max_prefill_tokens": 8192, "max_batch_size": 256, "cuda_graph_max_tokens": 4096,
            "cuda_graph_max_batch": 256}
     return SimpleNamespace(cfg=cfg, model_cfg=None, device=torch.device("cuda", 0), max_model_len=40960,
-                           tp=SimpleNamespace(size=1, is_first=True), weight_bytes=lambda: weights)
+                           tp=SimpleNamespace(size=1, is_first=True, dp=None), weight_bytes=lambda: weights)
 
 
 def test_the_kv_pool_gets_what_the_weights_step_and_graphs_leave(monkeypatch):

@@ -140,9 +140,9 @@ def barrier(tp: TPGroup | None = None) -> None:
 def all_reduce_min(value: int, tp: TPGroup | None = None, everywhere: bool = False) -> int:
     """The smallest `value` over the ranks of `tp`, or of the whole job (`everywhere`: all replicas)."""
     tp = tp or get_tp()
-    group = world_cpu_group(tp) if everywhere else tp.cpu_group
     if tp.size == 1 and (tp.dp is None or not everywhere):
         return value
+    group = world_cpu_group(tp) if everywhere else tp.cpu_group
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
