@@ -116,7 +116,8 @@ def test_generate_takes_a_list_of_sampling_params_one_per_prompt(llm):
 BAD = [
     ({"sampling": {"temprature": 0.5}},
      "unknown key 'temprature' in a prompt's sampling; did you mean 'temperature'? (its keys: temperature, "
-     "top_k, top_p, max_new_tokens, ignore_eos, stop_token_ids, stop, n, logprobs, seed)"),
+     "top_k, top_p, max_new_tokens, ignore_eos, stop_token_ids, stop, n, logprobs, json_schema, regex, "
+     "choice, grammar, seed)"),
     ({"sampling": {"top_p": 1.5}}, "the prompt's sampling.top_p must be in (0, 1]; got 1.5"),
     ({"sampling": {"max_new_tokens": "ten"}},
      "the prompt's sampling.max_new_tokens must be an integer, got 'ten' (str)"),

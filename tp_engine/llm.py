@@ -21,11 +21,13 @@ from tp_engine.runtime.engine import Engine
 from tp_engine.base.generation_config import unapplied_warning
 from tp_engine.frontend.lifeline import exit_with_launcher
 from tp_engine.frontend.prompt_sampling import has_stop_strings, params_for
-from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
+from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError, load_tokenizer
 from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
 from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
+from tp_engine.runtime.request_checks import prompt_problem
+from tp_engine.sampling.constraints import Grammars
 from tp_engine.frontend.stop_strings import RequestStops, StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
 
@@ -87,6 +89,9 @@ class LLM:
         self.tp = self.engine.tp
         self.rank0 = self.tp.world_rank == 0  # the job's first rank: with several replicas, their coordinator
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
+        mc = self.engine.model_cfg  # output constraints compile with the checkpoint's tokenizer, once each
+        self.engine.grammars = Grammars(functools.partial(load_tokenizer, self.cfg["model"]), mc.vocab_size,
+                                        mc.eos_token_ids)
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
         cli_keys = ("prompts", "prompts_file", "output", "resume", "stream", "fail_on_prompt_error")
@@ -192,7 +197,7 @@ class LLM:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
                 bad = got if isinstance(got, PromptError) else own if isinstance(own, PromptError) else None
-                error = str(bad) if bad is not None else self._prompt_problem(got)
+                error = str(bad) if bad is not None else prompt_problem(self.engine, got)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
                 for j in samples:
                     req = RequestOutput(i, ids, p, sample=j)
@@ -246,21 +251,6 @@ class LLM:
                              "give one per prompt, or one SamplingParams for all")
         return given
 
-    def _prompt_problem(self, ids: list[int]) -> str | None:
-        """Why these ids cannot run on this engine, or None."""
-        vocab = self.engine.model_cfg.vocab_size
-        if not ids:
-            return "empty prompt: it has no tokens"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        limit = self.engine.max_request_len
-        if len(ids) >= limit:
-            return (f"prompt has {len(ids)} tokens; the longest that can run is {limit - 1} "
-                    f"(max_model_len {self.engine.max_model_len}, "
-                    f"KV pool {self.engine.kv.num_pages * self.engine.kv.page_size} tokens)")
-        return None
-
     def output(self, req: RequestOutput, chat: bool = False) -> dict:
         """The output dict of a finished request; `chat`: its prompt went through the chat template (so its
         output may hold a think block to split off as `reasoning`)."""
@@ -271,6 +261,8 @@ class LLM:
                "finish_reason": req.finish_reason, "cached_prompt_tokens": req.cached_prompt_tokens}
         if req.params.logprobs and req.error is None:
             out["logprobs"] = req.logprobs
+        if req.constraint is not None:
+            out["constraint"] = req.constraint
         tags = self._think_tags() if chat else None
         if tags is not None and req.error is None:
             opens = opens_thinking(req.prompt_ids, tags, self.decode)

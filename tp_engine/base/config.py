@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from tp_engine.base.config_checks import constraint_clash
 from tp_engine.base.config_schema import SCHEMA, Key
 from tp_engine.base.generation_config import GenerationConfigError, apply_sampling_defaults
 from tp_engine.base.textio import canonical_json, load_yaml, read_utf8
@@ -173,6 +174,7 @@ def validate(cfg: dict) -> None:
         raise ConfigError("config key 'model' is required: the checkpoint directory")
     for dotted, key in SCHEMA.items():
         check_value(f"config key '{dotted}'", key, get(cfg, dotted))
+    check_one_constraint(cfg["sampling"], "'sampling.", "'", lead="config keys ")
     model = Path(cfg["model"])
     if model.is_file():
         raise ConfigError(f"config key 'model': {cfg['model']} is a file; "
@@ -187,6 +189,16 @@ def validate(cfg: dict) -> None:
                           "'output') for stdout")
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
+
+
+def check_one_constraint(values: dict, prefix: str, suffix: str = "", lead: str = "") -> None:
+    """At most one of the constraint keys (json_schema, regex, choice, grammar) in sampling settings `values`;
+    the message names them as prefix + name + suffix, after `lead`."""
+    both = constraint_clash(values)
+    if len(both) > 1:
+        names = lead + " and ".join(f"{prefix}{k}{suffix}" for k in both)
+        raise ConfigError(f"{names} are {'both' if len(both) == 2 else 'all'} set: a request takes one "
+                          "output constraint at most")
 
 
 def _type_name(types: tuple) -> str:

@@ -59,6 +59,30 @@ def stop_strings(v):
     return None
 
 
+# the keys that constrain a request's output; a request takes at most one
+CONSTRAINT_KEYS = ("json_schema", "regex", "choice", "grammar")
+
+
+def json_schema(v):
+    ok = isinstance(v, dict) or v is True
+    return None if ok else "must be a JSON schema (a mapping), or true for any object"
+
+
+def non_empty_text(v):
+    return None if v.strip() else "must not be empty"
+
+
+def choices(v):
+    if not v or not all(isinstance(x, str) and x for x in v):
+        return "must be a non-empty list of non-empty strings"
+    return None
+
+
+def constraint_clash(values: dict) -> list[str]:
+    """The constraint keys set (not None) in `values`, sampling settings by name (two or more: an error)."""
+    return [k for k in CONSTRAINT_KEYS if values.get(k) is not None]
+
+
 def template_kwargs(v):
     if not all(isinstance(k, str) for k in v):
         return "must have string keys (the template's variable names)"

@@ -92,6 +92,15 @@ SCHEMA: dict[str, Key] = {
         "log-probabilities of each output token and of the K most likely ones, "
         "0 <= K <= 20; 0 = off",
         check=checks.logprobs),
+    "sampling.json_schema": Key(
+        (dict, bool, type(None)), None,
+        "constrain the output to JSON of this schema; true = any JSON object", check=checks.json_schema),
+    "sampling.regex": Key(_STR + _NONE, None, "constrain the output to this regular expression",
+                          check=checks.non_empty_text),
+    "sampling.choice": Key(_LIST + _NONE, None, "constrain the output to one of these strings",
+                           check=checks.choices),
+    "sampling.grammar": Key(_STR + _NONE, None, "constrain the output to this EBNF grammar (xgrammar's)",
+                            check=checks.non_empty_text),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(
         _STR + _NONE, None,

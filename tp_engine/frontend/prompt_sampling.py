@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tp_engine.base.config import ConfigError
-from tp_engine.base.sampling_keys import SAMPLING_FIELDS as FIELDS, check_sampling
+from tp_engine.base.sampling_keys import SAMPLING_FIELDS as FIELDS, check_sampling, over_constraint
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError
 
 if TYPE_CHECKING:  # torch is imported only once the config is known to be good
@@ -44,7 +44,7 @@ def params_for(prompt: Prompt, base: SamplingParams, encoder: PromptEncoder) -> 
             encoder.check_stop_strings(own["stop"])
     except (PromptError, ValueError) as e:
         return e if isinstance(e, PromptError) else PromptError(str(e))
-    return replace(base, **own) if own else base
+    return replace(base, **over_constraint(own)) if own else base
 
 
 def own_settings(prompts: Sequence[Prompt], encoded: list) -> dict[int, dict]:

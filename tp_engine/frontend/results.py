@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from tp_engine.base.config import SCHEMA
+from tp_engine.base.config_checks import CONSTRAINT_KEYS
+from tp_engine.base.sampling_keys import over_constraint
 from tp_engine.frontend.output_file import SETTINGS_SUFFIX, Span, replace_text, rewrite_lines
 from tp_engine.base.textio import canonical_json
 
@@ -37,8 +39,9 @@ def run_settings(cfg: dict, dtype: str, tp_size: int, max_positions: int | None 
         settings["max_model_len"] = None
     # Not `n`: sample j's tokens do not depend on it, so a resume may ask for more samples. `logprobs` only
     # when on, so that lines written before the key existed keep their `run`.
-    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items()
-                     if k != "n" and not (k == "logprobs" and v == 0)})
+    # output constraints only when set, for the same reason
+    settings.update({f"sampling.{k}": v for k, v in cfg["sampling"].items() if k != "n"
+                     and not (k == "logprobs" and v == 0) and not (k in CONSTRAINT_KEYS and v is None)})
     # fp8 activations change tokens; only when on, so that older lines keep their `run`
     if fp8 and cfg["advanced"]["fp8_gemm"] != "weight_only":
         settings["advanced.fp8_gemm"] = cfg["advanced"]["fp8_gemm"]
@@ -59,8 +62,10 @@ def prompt_settings(settings: dict, own: dict) -> dict:
     """The settings behind the lines of a prompt with its own `sampling` (checked, by SamplingParams field):
     the run's `settings` with those over them; `n` and `logprobs: 0` left out as run_settings leaves them."""
     out = dict(settings)
-    for k, v in own.items():
-        if k != "n":
+    for k, v in over_constraint(own).items():  # its own output constraint replaces the run's
+        if k in CONSTRAINT_KEYS and v is None:
+            out.pop(f"sampling.{k}", None)
+        elif k != "n":
             out["seed" if k == "seed" else f"sampling.{k}"] = v
     if out.get("sampling.logprobs") == 0:
         del out["sampling.logprobs"]

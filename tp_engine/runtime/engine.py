@@ -21,6 +21,7 @@ from tp_engine.attention.kv_cache import KVCache
 from tp_engine.runtime.memory_plan import is_oom, num_pages, step_oom
 from tp_engine.layers.fp8 import settle_experts
 from tp_engine.runtime.engine_setup import agree_on_kernels, capture_graphs, graphs_wanted, setup_model
+from tp_engine.runtime.constrained import follow_tokens, mark_finished, mask_step
 from tp_engine.runtime.page_pool import PagePool
 from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.runtime.request import RequestOutput
@@ -99,6 +100,8 @@ class Engine:
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.graph_bytes = 0  # what their memory pools hold
         self.sched: Scheduler | None = None  # the latest run's
+        # output constraints: compiled grammars (set by LLM, which has the tokenizer), where thinking ends
+        self.grammars, self.think_end = None, None
         if graphs:
             capture_graphs(self)
 
@@ -208,7 +211,7 @@ class Engine:
                 issued = None
                 if plan.reqs:
                     with self._shared_step():
-                        issued = self.issue(sched, plan)
+                        issued = self.issue(sched, plan, inflight)
                 if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
                     self.take_tokens(sched, inflight, on_token, on_finish)
                 inflight = issued
@@ -226,15 +229,17 @@ class Engine:
             with self._shared_step():
                 comm.broadcast_ints(stop_message(), self.tp)
 
-    def issue(self, sched: Scheduler, plan: Plan) -> Issued:
+    def issue(self, sched: Scheduler, plan: Plan, previous: Issued | None = None) -> Issued:
         """Send one step to every rank and queue its forward, sampling and the tokens' copy to the host;
-        returns without waiting for the GPU."""
+        returns without waiting for the GPU (but for `previous`'s tokens, the step before, when a constrained
+        request needs its last one)."""
         params, seeds, steps = sampling_inputs(plan, self.cfg["seed"])  # before commit counts its tokens
         message = step_message(plan, sched.page_size)
         sched.commit(plan)  # from here the scheduler counts the step as issued
         batch = decode_message(comm.broadcast_ints(message.encode(), self.tp), self.tables)
         logits = self.forward(batch)[: len(params)]
-        sampled = sample(logits, params, seeds, steps, self.ops)
+        allowed = mask_step(logits, plan, previous, self.grammars, self.think_end)  # before any filter
+        sampled = sample(allowed, params, seeds, steps, self.ops)
         k = max(p.logprobs for p in params)
         logprobs = token_logprobs(logits, sampled, k, self.ops) if k else ()  # before temperature and filters
         self.share_tokens(sampled, len(params))
@@ -247,11 +252,13 @@ class Engine:
             step.done.synchronize()
         got, done = sched.update(step.plan, step.tokens.tolist())
         add_logprobs(step, got)
+        done += follow_tokens(sched, got)  # a grammar that has ended ends its request
         if on_token is not None:
             hit = [r for r in got if on_token(r.out)]
             for r in hit:  # a stop string wins over the length limit reached on the same token
                 r.out.finish_reason = "stop"
             done += sched.retire([r for r in hit if r not in done])
         for r in done:
+            mark_finished(r)
             if on_finish is not None:
                 on_finish(r.out)

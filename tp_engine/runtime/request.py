@@ -5,6 +5,7 @@ The state points at the output and fills it in; nothing the callbacks see points
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tp_engine.sampling.sampler import SamplingParams
 
@@ -22,6 +23,7 @@ class RequestOutput:
     text: str | None = None  # the output's text when a stop string cut it (stop_strings.py)
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (at the last admission)
     logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
+    constraint: str | None = None  # with an output constraint, once finished: "complete" or "incomplete"
 
 
 @dataclass(eq=False)
@@ -36,6 +38,7 @@ class RequestState:
     sent_pages: int = 0  # how many of `pages` the other ranks' table of this slot holds
     keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of the pages it registered
     chain: list[bytes] = field(default_factory=list, repr=False)  # keys of its first full pages, for good
+    matcher: Any = None  # its output constraint's state (sampling.constraints.Matcher), fed its output_ids
 
     @property
     def num_tokens(self) -> int:

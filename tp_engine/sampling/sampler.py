@@ -30,6 +30,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     logprobs: int = 0
+    # output constraints (sampling/constraints.py), at most one
+    json_schema: dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     seed: int | None = None  # None: the LLM's (the config's) seed
 
     def __post_init__(self) -> None:

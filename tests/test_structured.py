@@ -1,0 +1,192 @@
+"""Output constraints (sampling.json_schema, regex, choice, grammar) against transformers with xgrammar's own
+logits processor on the same weights and the same compiled grammar, on a tiny random checkpoint with the demo
+model's byte-level BPE tokenizer."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+import torch
+
+from helpers import ROOT, make_checkpoint, run_cli
+from tp_engine import LLM, SamplingParams
+from tp_engine.sampling.constraints import constraint_of
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"enum": ["ann", "bob"]},
+                         "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 2},
+                         "pos": {"type": "object", "properties": {"x": {"type": "boolean"}},
+                                 "required": ["x"]}},
+          "required": ["name", "tags", "pos"], "additionalProperties": False}
+CONSTRAINTS = {"json_schema": SCHEMA, "regex": r"[0-9]{1,3}-(ab|cd)", "choice": ["yes", "no way", "maybe"],
+               "grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "none"'}
+PROMPTS = ["The capital of France is", "Hello there, my friend"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("structured") / "m", vocab=2048, eos=0)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "configs" / "models" / "demo" / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    llm = LLM(model=str(ckpt), device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+def hf_constrained(ckpt, llm, params: SamplingParams, ids: list[int]) -> list[int]:
+    """transformers' greedy continuation under xgrammar's logits processor, the engine's compiled grammar."""
+    from transformers import Qwen3ForCausalLM
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    proc = LogitsProcessor(llm.engine.grammars.compile(*constraint_of(params)))
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_new_tokens,
+                             do_sample=False, eos_token_id=0, pad_token_id=0, logits_processor=[proc])
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_greedy_equals_transformers_with_xgrammar(ckpt, llm, kind):
+    """Each kind of constraint gives, greedily, transformers' tokens under xgrammar's processor, token for
+    token; an output that ends on EOS is a complete match, one cut by max_new_tokens an incomplete one."""
+    params = SamplingParams(max_new_tokens=48, **{kind: CONSTRAINTS[kind]})
+    outs = llm.generate(PROMPTS, params)
+    for out in outs:
+        assert out["output_token_ids"] == hf_constrained(ckpt, llm, params, out["prompt_token_ids"])
+        ended = out["output_token_ids"][-1] == 0
+        assert (out["finish_reason"], out["constraint"]) == (("stop", "complete") if ended
+                                                             else ("length", "incomplete"))
+    assert any(o["constraint"] == "complete" for o in outs)
+
+
+def check_output(out: dict, kind: str) -> None:
+    if out["constraint"] == "incomplete":
+        assert out["finish_reason"] == "length"
+        return
+    text = out["text"]
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "choice":
+        assert text in CONSTRAINTS["choice"]
+    elif kind == "regex":
+        import re
+        assert re.fullmatch(CONSTRAINTS["regex"], text)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_sampled_outputs_match_their_constraint(llm, kind):
+    """Sampled outputs (temperature, top-k, top-p, several seeds) are whole matches of their constraint:
+    JSON that validates against the schema, a string of the choice, a full match of the regex."""
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=s, n=3,
+                                                 max_new_tokens=64, **{kind: CONSTRAINTS[kind]})
+                                  for s in (1, 2)])
+    for out in outs:
+        check_output(out, kind)
+    assert sum(o["constraint"] == "complete" for o in outs) >= 3
+
+
+def test_cut_short_is_incomplete(llm):
+    """A constrained output that reaches max_new_tokens before its grammar can end says it is incomplete."""
+    out, = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, json_schema=SCHEMA))
+    assert (out["finish_reason"], out["constraint"]) == ("length", "incomplete")
+    assert '{"name": '.startswith(out["text"])  # the schema's start, cut short
+
+
+def test_per_prompt_constraints_beside_unconstrained(llm):
+    """Prompts with their own constraint share batches with unconstrained ones: each gets what it gets
+    alone; unconstrained lines carry no `constraint`."""
+    base = SamplingParams(max_new_tokens=24)
+    alone = llm.generate(PROMPTS, base)
+    own = [{"prompt": PROMPTS[0], "sampling": {"regex": CONSTRAINTS["regex"]}}, PROMPTS[0],
+           {"prompt": PROMPTS[1], "sampling": {"choice": CONSTRAINTS["choice"]}}, PROMPTS[1]]
+    mixed = llm.generate(own, base)
+    unconstrained = [mixed[1]["output_token_ids"], mixed[3]["output_token_ids"]]
+    assert unconstrained == [a["output_token_ids"] for a in alone]
+    assert "constraint" not in mixed[1] and "constraint" not in mixed[3]
+    reg = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, regex=CONSTRAINTS["regex"]))[0]
+    ch = llm.generate(PROMPTS[1:], SamplingParams(max_new_tokens=24, choice=CONSTRAINTS["choice"]))[0]
+    assert mixed[0]["output_token_ids"] == reg["output_token_ids"]
+    assert mixed[2]["output_token_ids"] == ch["output_token_ids"]
+
+
+def test_grammar_end_stops_with_ignore_eos(llm):
+    """With ignore_eos, a request still ends ("stop") once its grammar has taken its stop token."""
+    out, = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=32, ignore_eos=True,
+                                                    choice=CONSTRAINTS["choice"]))
+    assert (out["finish_reason"], out["constraint"]) == ("stop", "complete")
+    assert out["text"] in CONSTRAINTS["choice"]
+
+
+def test_compiled_grammars_are_cached(llm):
+    """A constraint compiles once per LLM, whichever prompt or generate call uses it."""
+    params = SamplingParams(regex="[ab]+")
+    first = llm.engine.grammars.compile(*constraint_of(params))
+    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, regex="[ab]+"))
+    assert llm.engine.grammars.compile(*constraint_of(params)) is first
+
+
+def test_preempted_requests_keep_their_constraint(ckpt, llm):
+    """Requests preempted and recomputed (a pool of few pages) give the same constrained tokens: their
+    matchers follow their output ids, no token fed twice."""
+    params = SamplingParams(max_new_tokens=60, json_schema=SCHEMA)
+    want = llm.generate(PROMPTS * 2, params)
+    small = LLM(model=str(ckpt), device="cpu", kv_cache={"num_pages": 10, "page_size": 8})
+    try:
+        got = small.generate(PROMPTS * 2, params)
+        assert small.engine.num_preempted > 0
+    finally:
+        small.shutdown()
+    assert [o["output_token_ids"] for o in got] == [o["output_token_ids"] for o in want]
+
+
+@pytest.mark.slow
+def test_tp2_run_default_and_own_constraints(ckpt, llm, tmp_path):
+    """At TP 2 through the command line, the run's constraint and a prompt's own give TP 1's tokens and
+    `constraint` fields."""
+    prompts = [PROMPTS[0], {"prompt": PROMPTS[1], "sampling": {"choice": CONSTRAINTS["choice"]}}]
+    cfg = {"model": str(ckpt), "prompts": prompts,
+           "sampling": {"max_new_tokens": 40, "json_schema": SCHEMA}}
+    proc, lines = run_cli(cfg, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = [llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=40, json_schema=SCHEMA))[0],
+            llm.generate(PROMPTS[1:], SamplingParams(max_new_tokens=40, choice=CONSTRAINTS["choice"]))[0]]
+    assert [(o["output_token_ids"], o["constraint"]) for o in lines] == \
+        [(o["output_token_ids"], o["constraint"]) for o in want]
+
+
+def test_one_constraint_at_most(ckpt):
+    """Two constraints in one mapping are a config error naming both, in the config, a prompt's own sampling
+    and SamplingParams; `json_schema: false` is refused."""
+    from tp_engine.base.config import ConfigError, build_config
+    from tp_engine.frontend.prompt_sampling import own_sampling
+    from tp_engine.frontend.prompts import PromptError
+
+    with pytest.raises(ConfigError, match="'sampling.regex' and 'sampling.choice' are both set"):
+        build_config(None, ["sampling.regex=a+", "sampling.choice=[a]"], model=str(ckpt))
+    with pytest.raises(ConfigError, match="SamplingParams.json_schema and SamplingParams.grammar are both"):
+        SamplingParams(json_schema=True, grammar="root ::= \"a\"")
+    with pytest.raises(PromptError, match="sampling.regex and the prompt's sampling.choice are both set"):
+        own_sampling({"prompt": "x", "sampling": {"regex": "a", "choice": ["a"]}})
+    with pytest.raises(ConfigError, match="json_schema must be a JSON schema"):
+        SamplingParams(json_schema=False)
+
+
+def test_missing_xgrammar_names_the_key(llm, monkeypatch):
+    """Without xgrammar installed, a constraint fails with one message naming its key and the install."""
+    import sys
+
+    from tp_engine.sampling.constraints import ConstraintError, Grammars
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    grammars = Grammars(lambda: (llm.tokenizer, ""), 2048, [0])
+    with pytest.raises(ConstraintError, match=r"sampling.regex needs xgrammar.*pip install xgrammar"):
+        grammars.compile("regex", "a+")

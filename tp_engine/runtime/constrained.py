@@ -1,0 +1,68 @@
+"""Output constraints in rank 0's step loop (sampling/constraints.py has the grammars and matchers).
+
+A request's matcher lives in its `RequestState` and is fed the request's output tokens in order, once each,
+so it follows `output_ids` through preemption and recompute (a recomputed request samples no token it already
+has). A step's mask needs the token each of its decode rows took in the step before, which may still be on its
+way to the host: `mask_step` waits for that step's copy (queued before this step's forward, so the wait
+overlaps the forward on the GPU) and feeds it ahead of `Scheduler.update`.
+"""
+from __future__ import annotations
+
+import torch
+
+from tp_engine.runtime.request import RequestState
+from tp_engine.runtime.scheduler import Scheduler
+from tp_engine.runtime.step_plan import Plan
+from tp_engine.runtime.step_tokens import Issued
+from tp_engine.sampling.constraints import Grammars, has_constraint, mask_logits
+
+
+def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None, grammars: Grammars | None,
+              think_end=None) -> torch.Tensor:
+    """The step's logits [B, V] with the tokens each constrained row's grammar forbids set to -inf (the same
+    tensor when no row is constrained). `previous`: the step issued before, whose tokens are still in flight.
+    `think_end(request)`: the id after which its constraint holds, or None (from its first token)."""
+    rows = [i for i, (r, s) in enumerate(zip(plan.reqs, plan.sampled)) if s and has_constraint(r.out.params)]
+    if not rows:
+        return logits
+    if grammars is None:
+        raise RuntimeError("this engine was built without a grammar compiler (Grammars)")
+    in_flight = None
+    bitmask = grammars.bitmask(len(plan.reqs))
+    masked = False
+    for i in rows:
+        r = plan.reqs[i]
+        if r.matcher is None:
+            r.matcher = grammars.matcher(r.out.params, think_end(r.out) if think_end else None)
+        pending = None
+        if plan.ref_rows[i] is not None:  # its newest token is row ref_rows[i] of the step before
+            if in_flight is None:
+                if previous.done is not None:
+                    previous.done.synchronize()
+                in_flight = previous.tokens.tolist()
+            pending = in_flight[plan.ref_rows[i]]
+        r.matcher.catch_up(r.out.output_ids, pending)
+        if r.matcher.active:  # else free text (a think block) or a token the request drops
+            r.matcher.fill(bitmask, i)
+            masked = True
+    return mask_logits(logits, bitmask) if masked else logits
+
+
+def follow_tokens(sched: Scheduler, got: list[RequestState]) -> list[RequestState]:
+    """After a step's tokens reached the requests: feed each constrained one, and end (finish_reason "stop")
+    those whose grammar has ended, EOS ignored or not. Returns the requests so ended."""
+    ended = []
+    for r in got:
+        if r.matcher is not None:
+            r.matcher.catch_up(r.out.output_ids)
+            if r.matcher.ended and not r.out.finish_reason:
+                r.out.finish_reason = "stop"
+                ended.append(r)
+    return sched.retire(ended)
+
+
+def mark_finished(r: RequestState) -> None:
+    """A finished constrained request says whether its output is a whole match of its grammar."""
+    if r.matcher is not None and r.out.error is None:
+        r.matcher.catch_up(r.out.output_ids)
+        r.out.constraint = "complete" if r.matcher.complete() else "incomplete"

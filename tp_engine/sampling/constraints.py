@@ -1,0 +1,155 @@
+"""Output constraints (`sampling.json_schema`, `regex`, `choice`, `grammar`) through xgrammar.
+
+An engine compiles each constraint once and keeps it by (kind, text) (`Grammars`); each constrained request
+has a matcher on the rank that samples (`Matcher`), fed the request's output tokens in order, once each; the
+step's mask of allowed tokens (`mask_logits`) sets the others to -inf before temperature, top-k and top-p.
+xgrammar is imported only when a request has a constraint.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tp_engine.base.config_checks import CONSTRAINT_KEYS
+
+# xgrammar's messages start with a time and a source position: "[22:00:32] /project/cpp/x.cc:94: "
+_WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used: xgrammar missing, no tokenizer, or what its compiler refused."""
+
+
+def has_constraint(params: Any) -> bool:
+    return (params.json_schema is not None or params.regex is not None or params.choice is not None
+            or params.grammar is not None)
+
+
+def constraint_of(params: Any) -> tuple[str, str] | None:
+    """(kind, text) of a request's constraint, the text as it is compiled and cached; None without one."""
+    for kind in CONSTRAINT_KEYS:
+        v = getattr(params, kind)
+        if v is None:
+            continue
+        if kind == "json_schema":
+            return kind, json.dumps({"type": "object"} if v is True else v, sort_keys=True)
+        return kind, json.dumps(v) if kind == "choice" else v
+    return None
+
+
+def _choice_grammar(text: str) -> str:
+    """EBNF of one of the strings (a JSON list) exactly."""
+    return "root ::= " + " | ".join(json.dumps(s) for s in json.loads(text))
+
+
+class Grammars:
+    """One engine's compiled constraints by (kind, text), for every prompt and generate call it runs.
+    `tokenizer()` gives (the checkpoint's tokenizer or None, why none); it is read on first use only.
+    `stop_ids`: the model's EOS ids, the tokens a grammar may end with."""
+
+    def __init__(self, tokenizer: Callable[[], tuple[Any, str]], vocab_size: int,
+                 stop_ids: Sequence[int]) -> None:
+        self._tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
+        self._compiler = None
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def _compiler_for(self, kind: str):
+        if self._compiler is None:
+            try:
+                import xgrammar
+            except ImportError:
+                raise ConstraintError(f"sampling.{kind} needs xgrammar, which is not installed: "
+                                      "pip install xgrammar") from None
+            tok, why = self._tokenizer()
+            if tok is None:
+                raise ConstraintError(f"sampling.{kind} needs the checkpoint's tokenizer: {why}")
+            info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.stop_ids or None)
+            self._compiler = xgrammar.GrammarCompiler(info)
+        return self._compiler
+
+    def compile(self, kind: str, text: str):
+        """The compiled grammar of a constraint; ConstraintError naming the key and what the compiler said."""
+        key = (kind, text)
+        if key not in self._compiled:
+            compiler = self._compiler_for(kind)
+            try:
+                if kind == "json_schema":
+                    got = compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "regex":
+                    got = compiler.compile_regex(text)
+                else:
+                    got = compiler.compile_grammar(_choice_grammar(text) if kind == "choice" else text)
+            except RuntimeError as e:
+                raise ConstraintError(f"sampling.{kind}: {_WHERE.sub('', str(e)).strip()}") from None
+            self._compiled[key] = got
+        return self._compiled[key]
+
+    def matcher(self, params: Any, think_end: int | None = None) -> Matcher:
+        """A fresh matcher of `params`' constraint; with `think_end`, it applies after that token only."""
+        import xgrammar
+        return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end)
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """[rows, vocab / 32] int32, every token allowed."""
+        import xgrammar
+        return xgrammar.allocate_token_bitmask(rows, self.vocab_size)
+
+
+class Matcher:
+    """A request's place in its grammar. `fed` counts the output tokens taken so far; with `think_end`, the
+    tokens up to that one are free text (a think block) and the grammar holds after it."""
+
+    def __init__(self, matcher, think_end: int | None = None) -> None:
+        self.m, self.fed, self.think_end = matcher, 0, think_end
+
+    @property
+    def active(self) -> bool:
+        """The next token is constrained: past the think block, and the grammar has not ended."""
+        return self.think_end is None and not self.m.is_terminated()
+
+    @property
+    def ended(self) -> bool:
+        """The grammar took its stop token: the output is complete."""
+        return self.m.is_terminated()
+
+    def catch_up(self, tokens: Sequence[int], pending: int | None = None) -> None:
+        """Take tokens[fed:], then `pending`, the token after them (still in flight), unless taken already."""
+        n = len(tokens)
+        for tok in tokens[self.fed:]:
+            self._take(tok)
+        self.fed = max(self.fed, n)
+        if pending is not None and self.fed == n:
+            self._take(pending)
+            self.fed += 1
+
+    def _take(self, tok: int) -> None:
+        if self.think_end is not None:
+            if tok == self.think_end:
+                self.think_end = None
+        elif not self.m.is_terminated() and not self.m.accept_token(tok):
+            raise RuntimeError(f"token {tok} is outside the output constraint it was sampled under")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def complete(self) -> bool:
+        """The output so far is a whole match of the grammar (the stop token taken or not)."""
+        return self.think_end is None and (self.m.is_terminated() or self.m.is_completed())
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the tokens `bitmask` [B, W] int32 (bit j of word w: token 32 w + j) does not allow
+    set to -inf, in one masked_fill on the logits' device; columns past 32 W (vocabulary padding) too. The
+    logits themselves are left as they are (logprobs are the model's)."""
+    dev, V = logits.device, logits.shape[-1]
+    if dev.type == "cuda":
+        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+    W = bitmask.shape[-1]
+    ids = torch.arange(V, device=dev)
+    words = bitmask.to(dev)[:, (ids >> 5).clamp(max=W - 1)]
+    allowed = ((words >> (ids & 31)) & 1).bool() & (ids < 32 * W)
+    return logits.masked_fill(~allowed, float("-inf"))
