@@ -190,3 +190,58 @@ def test_missing_xgrammar_names_the_key(llm, monkeypatch):
     grammars = Grammars(lambda: (llm.tokenizer, ""), 2048, [0])
     with pytest.raises(ConstraintError, match=r"sampling.regex needs xgrammar.*pip install xgrammar"):
         grammars.compile("regex", "a+")
+
+
+def test_bad_constraint_of_a_prompt_is_its_error_line(llm):
+    """A constraint that does not compile, in a prompt's own sampling, is that prompt's error line with the
+    compiler's message; the other prompts run."""
+    outs = llm.generate([{"prompt": PROMPTS[0], "sampling": {"regex": "[0-9"}},
+                         {"prompt": PROMPTS[0], "sampling": {"json_schema": {"type": "foo"}}},
+                         {"prompt": PROMPTS[0], "sampling": {"grammar": "root ::= x"}}, PROMPTS[1]],
+                        SamplingParams(max_new_tokens=4))
+    assert [o["finish_reason"] for o in outs] == ["error"] * 3 + ["length"]
+    assert outs[0]["error"] == "sampling.regex: Regex parsing error at position 5: Unclosed '['"
+    assert outs[1]["error"].startswith("sampling.json_schema: Unsupported type")
+    assert outs[2]["error"].startswith("sampling.grammar: EBNF parser error") and "x" in outs[2]["error"]
+
+
+def test_bad_run_constraint_is_a_config_error(ckpt, tmp_path):
+    """A run's constraint that does not compile stops the command line at start-up (status 2), naming the
+    key and what the compiler said."""
+    cfg = {"model": str(ckpt), "prompts": ["a"], "sampling": {"regex": "(ab"}}
+    proc, lines = run_cli(cfg, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config key sampling.regex: Regex parsing error" in proc.stderr and lines == []
+
+
+def test_constraint_is_part_of_a_lines_run(ckpt, tmp_path):
+    """The constraint is part of each line's settings: a resume with another constraint is refused."""
+    cfg = {"model": str(ckpt), "prompts": [{"prompt": "a", "sampling": {"regex": "[ab]+"}}, "b"],
+           "sampling": {"max_new_tokens": 4}}
+    proc, lines = run_cli(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lines[0]["run"] != lines[1]["run"] and lines[0]["constraint"] in ("complete", "incomplete")
+    cfg["prompts"][0]["sampling"]["regex"] = "[ac]+"
+    proc, _ = run_cli({**cfg, "resume": True}, tmp_path)
+    assert proc.returncode == 2 and "prompt 0's own sampling differs" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_openai_batch_response_format_and_guided_fields(tmp_path):
+    """OpenAI batch bodies: response_format json_object / json_schema and vLLM's guided_* fields become the
+    prompt's own constraint, not warned about as ignored; a bad response_format is the line's error."""
+    from tp_engine.frontend.openai_batch import BatchFile
+
+    batch = BatchFile(tmp_path / "b.jsonl")
+    bodies = [{"response_format": {"type": "json_object"}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+              {"guided_json": json.dumps(SCHEMA)}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
+              {"guided_grammar": 'root ::= "a"'}, {"response_format": {"type": "text"}},
+              {"response_format": {"type": "xml"}}]
+    for n, body in enumerate(bodies):
+        batch.add(n + 1, {"custom_id": str(n), "method": "POST", "url": "/v1/completions",
+                          "body": {"prompt": "hi", **body}})
+    owns = [p.get("sampling") for p in batch[:7]]
+    assert owns == [{"json_schema": True}, {"json_schema": SCHEMA}, {"json_schema": SCHEMA},
+                    {"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"grammar": 'root ::= "a"'}, None]
+    assert "response_format.type must be" in batch.requests[7]["error"]
+    assert batch.warning() is None

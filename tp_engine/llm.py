@@ -26,7 +26,7 @@ from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_
 from tp_engine.sampling.sampler import SamplingParams
 from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
-from tp_engine.runtime.request_checks import prompt_problem
+from tp_engine.runtime.request_checks import constraint_problem, prompt_problem
 from tp_engine.sampling.constraints import Grammars
 from tp_engine.frontend.stop_strings import RequestStops, StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
@@ -92,6 +92,9 @@ class LLM:
         mc = self.engine.model_cfg  # output constraints compile with the checkpoint's tokenizer, once each
         self.engine.grammars = Grammars(functools.partial(load_tokenizer, self.cfg["model"]), mc.vocab_size,
                                         mc.eos_token_ids)
+        bad = constraint_problem(self.engine, sampling_params_from(self.cfg))  # the same on every rank
+        if bad:
+            raise tpd.StartupError(f"config key {bad}")  # a config error: status 2 from the command line
         self._think: tuple | None = None  # (the think tags' ids or None), found on first use on rank 0
         self._generating = False  # rank 0, inside generate(): a callback may not start another run
         cli_keys = ("prompts", "prompts_file", "output", "resume", "stream", "fail_on_prompt_error")
@@ -197,7 +200,8 @@ class LLM:
                     continue
                 got = encoded[i] if encoded is not None else self.prompts.try_encode(prompt)
                 bad = got if isinstance(got, PromptError) else own if isinstance(own, PromptError) else None
-                error = str(bad) if bad is not None else prompt_problem(self.engine, got)
+                error = str(bad) if bad is not None else prompt_problem(self.engine, got) or \
+                    constraint_problem(self.engine, p)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
                 for j in samples:
                     req = RequestOutput(i, ids, p, sample=j)

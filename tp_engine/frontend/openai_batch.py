@@ -4,6 +4,7 @@ and what its output line needs (openai_batch_output.py) is kept beside it. A lin
 its error, and an error line in the output; the others run."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,9 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # body fields -> the `sampling` key they set (the rest of the applied ones are read below)
 SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "n": "n", "seed": "seed",
-            "stop": "stop"}
-APPLIED = {*SAMPLING, "model", "messages", "prompt", "logprobs", "top_logprobs"}
+            "stop": "stop", "guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+            "guided_grammar": "grammar"}
+APPLIED = {*SAMPLING, "model", "messages", "prompt", "logprobs", "top_logprobs", "response_format"}
 
 
 def is_batch_request(item: Any) -> bool:
@@ -71,6 +73,9 @@ class BatchFile(list):
         sampling = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
         if body.get("max_completion_tokens") is not None:
             sampling["max_new_tokens"] = body["max_completion_tokens"]  # the newer name wins over max_tokens
+        if isinstance(sampling.get("json_schema"), str):  # vLLM's guided_json may be the schema's JSON text
+            sampling["json_schema"] = _json(sampling["json_schema"], "body.guided_json")
+        sampling.update(_response_format(body.get("response_format")))
         if sampling.get("top_k") == -1:  # vLLM's "off"
             sampling["top_k"] = 0
         top = self._logprobs(body, url)
@@ -136,3 +141,26 @@ def _message(m: Any, i: int) -> Any:
             raise ValueError(f"message {i}: only text content parts are supported")
         return {**m, "content": "".join(p["text"] for p in content)}
     return m
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
+
+
+def _response_format(fmt: Any) -> dict:
+    """The `sampling` constraint of a body's response_format: json_object is any JSON object, json_schema its
+    `json_schema.schema`, text (or none) no constraint."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": True}
+    schema = fmt.get("json_schema", {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+    if kind == "json_schema" and isinstance(schema, dict):
+        return {"json_schema": schema}
+    if kind == "json_schema":
+        raise ValueError("body.response_format.json_schema.schema must be a JSON schema object")
+    raise ValueError(f"body.response_format.type must be text, json_object or json_schema; got {fmt!r}")
