@@ -51,9 +51,9 @@ def test_grants_prefer_a_replicas_first_pages_within_an_even_share():
     """Rank 0's coordinator (its threads not started): a grant takes the pending requests whose first page
     the replica was given before, then the earliest; at most an even share of what is pending; it makes at
     most LOOKAHEAD requests ahead; other replicas' results and error requests reach on_done at rank 0's next
-    take."""
+    take. A granted request reaches its replica with its settings and think end."""
     from tp_engine.comm.replicas import DPGroup
-    from tp_engine.runtime.coordinator import LOOKAHEAD, Coordinator
+    from tp_engine.runtime.coordinator import LOOKAHEAD, Coordinator, grant_of, granted
     from tp_engine.runtime.request import RequestOutput
     from tp_engine.sampling.sampler import SamplingParams
 
@@ -70,6 +70,10 @@ def test_grants_prefer_a_replicas_first_pages_within_an_even_share():
     c._collect([(4, 0, [9, 9], "length", None, None, 0, [])])
     assert [r.index for r in c.take(5)] == [6] and c.exhausted and not c.pending
     assert done[1] is reqs[4] and reqs[4].output_ids == [9, 9] and reqs[4].finish_reason == "length"
+    think = RequestOutput(9, [1, 2], SamplingParams(choice=["a"]), sample=1, think_end=7)
+    again = granted(grant_of(think))  # as another replica makes it: the constraint holds after its </think>
+    assert (again.index, again.sample, again.prompt_ids, again.think_end) == (9, 1, [1, 2], 7)
+    assert again.params == think.params
     made = []
     many = (made.append(i) or RequestOutput(i, [i], SamplingParams()) for i in range(10 * LOOKAHEAD))
     c = Coordinator(DPGroup(0, 4, 1, 0, 5.0), many, page_size=4, on_done=done.append)

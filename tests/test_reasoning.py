@@ -90,6 +90,36 @@ def test_messages_prompts_think_without_chat_true(model, tmp_path, monkeypatch):
     assert "reasoning" not in ids
 
 
+def test_constraint_holds_after_the_think_block(model, tmp_path, monkeypatch):
+    """A chat prompt that opens a think block thinks freely (the greedy tokens up to </think>) and is
+    constrained after it, its reasoning split from the constrained answer; a chat prompt that opens none, and
+    an ids prompt with chat off, are constrained from their first token."""
+    import json
+
+    ckpt, prompt, out = model
+    path = with_tokenizer(ckpt, tmp_path / "t", out, THINKING)
+    eos = 0  # w0, the tokenizer's special unk token: decoding drops it
+    word = next(i for i in range(1, VOCAB) if i not in out and i not in prompt)
+    assert eos not in out and eos not in prompt
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    (tmp_path / "t" / "generation_config.json").unlink(missing_ok=True)
+    llm = LLM(model=path, device="cpu")
+    opened = prompt + out[:1]  # the template's prompt ends with <think>
+
+    def encode(p):  # the template's rendering, as ids: a prompt that opens <think>, or one that does not
+        return list(p["input_ids"] if "input_ids" in p else opened if p["messages"][0]["content"] else prompt)
+    monkeypatch.setattr(llm.prompts, "try_encode", encode)
+    chats = [{"messages": [{"role": "user", "content": c}]} for c in ("think", "")]
+    thinks, plain, ids = llm.generate(chats + [{"input_ids": opened}],
+                                      SamplingParams(max_new_tokens=16, choice=[f"w{word}"]))
+    assert thinks["output_token_ids"] == out[1:4] + [word, eos]  # unconstrained greedy up to </think>
+    assert (thinks["reasoning"], thinks["text"]) == (words(out[1:3]), f"w{word}")
+    assert thinks["constraint"] == "complete"
+    assert plain["output_token_ids"] == ids["output_token_ids"] == [word, eos]
+    assert plain["constraint"] == ids["constraint"] == "complete"
+
+
 def run(model, prompt, chat=True, max_new_tokens=8):
     llm = LLM(model=model, device="cpu", chat=chat)
     return llm.generate([{"input_ids": prompt}], SamplingParams(max_new_tokens=max_new_tokens))[0]

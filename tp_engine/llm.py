@@ -22,7 +22,7 @@ from tp_engine.base.generation_config import unapplied_warning
 from tp_engine.frontend.lifeline import exit_with_launcher
 from tp_engine.frontend.prompt_sampling import has_stop_strings, params_for
 from tp_engine.frontend.prompts import Prompt, PromptEncoder, PromptError, load_tokenizer
-from tp_engine.frontend.reasoning import opens_thinking, split_reasoning, think_tags
+from tp_engine.frontend.reasoning import ThinkEnds, opens_thinking, split_reasoning, think_tags
 from tp_engine.sampling.sampler import SamplingParams
 from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
@@ -181,6 +181,9 @@ class LLM:
         texts = TextStreams(enc.decode, stops.texts)
         # `messages` go through the chat template whatever `chat` says: their outputs may think too
         chats = {i for i, p in enumerate(prompts) if isinstance(p, dict) and "messages" in p}
+        think_ends = ThinkEnds(self._think_tags, self.decode, lambda i: self.cfg["chat"] or i in chats)
+        if dp is not None:  # here: the coordinator's thread, which makes the requests, uses no tokenizer
+            think_ends.find_all(encoded)
 
         def finish(req: RequestOutput) -> None:
             out = self.output(req, self.cfg["chat"] or req.index in chats)
@@ -204,7 +207,7 @@ class LLM:
                     constraint_problem(self.engine, p)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
                 for j in samples:
-                    req = RequestOutput(i, ids, p, sample=j)
+                    req = RequestOutput(i, ids, p, sample=j, think_end=think_ends(i, ids))
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
                     if error is None or dp is not None:  # the coordinator passes an error on to on_remote

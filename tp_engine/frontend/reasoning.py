@@ -6,9 +6,9 @@ single, non-special tokens (so decoding keeps them in the text, as Qwen3's token
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
-from tp_engine.frontend.prompts import skipped_ids
+from tp_engine.frontend.prompts import PromptError, skipped_ids
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -33,6 +33,27 @@ def opens_thinking(prompt_ids: list[int], tags: tuple[int, int],
     last = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] in tags), None)
     return (last is not None and prompt_ids[last] == tags[0]
             and not (decode(prompt_ids[last + 1:]) or "").strip())
+
+
+class ThinkEnds:
+    """Per prompt of one call: the id of `</think>` when the prompt is a chat one that opens a think block
+    (an output constraint holds after it), else None; found once per prompt. `tags()`: the think tags' ids
+    or None; `chat(i)`: prompt i went through the chat template."""
+
+    def __init__(self, tags: Callable[[], tuple[int, int] | None], decode: Callable[[list[int]], str | None],
+                 chat: Callable[[int], bool]) -> None:
+        self.tags, self.decode, self.chat, self.ends = tags, decode, chat, {}
+
+    def __call__(self, i: int, ids: Sequence[int]) -> int | None:
+        if i not in self.ends:
+            tags = self.tags() if self.chat(i) else None
+            self.ends[i] = tags[1] if tags and opens_thinking(list(ids), tags, self.decode) else None
+        return self.ends[i]
+
+    def find_all(self, encoded: list[Sequence[int] | PromptError]) -> None:
+        """Every prompt's at once, on this thread (a thread that must not use the tokenizer reads them)."""
+        for i, ids in enumerate(encoded):
+            self(i, [] if isinstance(ids, PromptError) else ids)
 
 
 def split_reasoning(text: str, open_think: bool = False) -> tuple[str, str]:

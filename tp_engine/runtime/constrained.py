@@ -17,11 +17,11 @@ from tp_engine.runtime.step_tokens import Issued
 from tp_engine.sampling.constraints import Grammars, has_constraint, mask_logits
 
 
-def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None, grammars: Grammars | None,
-              think_end=None) -> torch.Tensor:
+def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
+              grammars: Grammars | None) -> torch.Tensor:
     """The step's logits [B, V] with the tokens each constrained row's grammar forbids set to -inf (the same
     tensor when no row is constrained). `previous`: the step issued before, whose tokens are still in flight.
-    `think_end(request)`: the id after which its constraint holds, or None (from its first token)."""
+    A request whose prompt opens a think block is free up to its `think_end` token, constrained after it."""
     rows = [i for i, (r, s) in enumerate(zip(plan.reqs, plan.sampled)) if s and has_constraint(r.out.params)]
     if not rows:
         return logits
@@ -33,7 +33,7 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None, grammar
     for i in rows:
         r = plan.reqs[i]
         if r.matcher is None:
-            r.matcher = grammars.matcher(r.out.params, think_end(r.out) if think_end else None)
+            r.matcher = grammars.matcher(r.out.params, r.out.think_end)
         pending = None
         if plan.ref_rows[i] is not None:  # its newest token is row ref_rows[i] of the step before
             if in_flight is None:

@@ -32,6 +32,16 @@ def first_page(ids: list[int], page_size: int) -> int | None:
     return hash(tuple(ids[:page_size])) if len(ids) >= page_size else None
 
 
+def grant_of(req: RequestOutput) -> tuple:
+    """What rank 0 sends another replica of a request to run (`granted` makes it again there)."""
+    return req.index, req.sample, req.prompt_ids, req.params, req.think_end
+
+
+def granted(item: tuple) -> RequestOutput:
+    index, sample, ids, params, think_end = item
+    return RequestOutput(index, ids, params, sample=sample, think_end=think_end)
+
+
 def result_of(out: RequestOutput) -> tuple:
     """What a replica sends back of a finished request."""
     return (out.index, out.sample, out.output_ids, out.finish_reason, out.error, out.text,
@@ -158,8 +168,7 @@ class Coordinator:
                     else:
                         self._collect(msg[-1])
                     if msg[0] == "work":
-                        granted = self._grant(replica, msg[1])
-                        items = [(r.index, r.sample, r.prompt_ids, r.params) for r in granted]
+                        items = [grant_of(r) for r in self._grant(replica, msg[1])]
                         reply = ("grant", items, self.exhausted and not self.pending)
                     elif msg[0] == "done":
                         self.done.append(src)

@@ -100,8 +100,7 @@ class Engine:
         self.graphs = self.pieces = None  # decode steps; prompt and mixed steps
         self.graph_bytes = 0  # what their memory pools hold
         self.sched: Scheduler | None = None  # the latest run's
-        # output constraints: compiled grammars (set by LLM, which has the tokenizer), where thinking ends
-        self.grammars, self.think_end = None, None
+        self.grammars = None  # output constraints' compiled grammars (set by LLM, which has the tokenizer)
         if graphs:
             capture_graphs(self)
 
@@ -238,7 +237,7 @@ class Engine:
         sched.commit(plan)  # from here the scheduler counts the step as issued
         batch = decode_message(comm.broadcast_ints(message.encode(), self.tp), self.tables)
         logits = self.forward(batch)[: len(params)]
-        allowed = mask_step(logits, plan, previous, self.grammars, self.think_end)  # before any filter
+        allowed = mask_step(logits, plan, previous, self.grammars)  # before any filter
         sampled = sample(allowed, params, seeds, steps, self.ops)
         k = max(p.logprobs for p in params)
         logprobs = token_logprobs(logits, sampled, k, self.ops) if k else ()  # before temperature and filters

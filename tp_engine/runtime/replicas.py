@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from tp_engine import comm
 from tp_engine.comm.replicas import ABORT, OVER, DPGroup, end_call, recv_obj, send_obj
-from tp_engine.runtime.coordinator import Coordinator, result_of
+from tp_engine.runtime.coordinator import Coordinator, granted, result_of
 from tp_engine.runtime.request import RequestOutput
 
 
@@ -32,7 +32,7 @@ class LeaderFeed:
         reply = self._ask(("work", want, self.results))
         self.results = []
         _, items, self.exhausted = reply
-        return [RequestOutput(index, ids, params, sample=sample) for index, sample, ids, params in items]
+        return [granted(item) for item in items]
 
     def finished(self, out: RequestOutput) -> None:
         self.results.append(result_of(out))
