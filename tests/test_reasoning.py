@@ -92,8 +92,10 @@ def test_messages_prompts_think_without_chat_true(model, tmp_path, monkeypatch):
 
 def test_constraint_holds_after_the_think_block(model, tmp_path, monkeypatch):
     """A chat prompt that opens a think block thinks freely (the greedy tokens up to </think>) and is
-    constrained after it, its reasoning split from the constrained answer; a chat prompt that opens none, and
-    an ids prompt with chat off, are constrained from their first token."""
+    constrained after it, its reasoning split from the constrained answer; one that leaves <think> to the
+    model (Qwen3 with thinking on) may open the block as its first token, then the same; one that ends a
+    think block already (thinking off), and an ids prompt with chat off, are constrained from their first
+    token."""
     import json
 
     ckpt, prompt, out = model
@@ -107,17 +109,23 @@ def test_constraint_holds_after_the_think_block(model, tmp_path, monkeypatch):
     llm = LLM(model=path, device="cpu")
     opened = prompt + out[:1]  # the template's prompt ends with <think>
 
-    def encode(p):  # the template's rendering, as ids: a prompt that opens <think>, or one that does not
-        return list(p["input_ids"] if "input_ids" in p else opened if p["messages"][0]["content"] else prompt)
+    # the template's rendering, as ids: a prompt that opens <think>, one that leaves it to the model, one
+    # that ends an empty think block
+    rendered = {"think": opened, "maybe": prompt, "off": prompt + [out[0], out[3]]}
+
+    def encode(p):
+        return list(p["input_ids"] if "input_ids" in p else rendered[p["messages"][0]["content"]])
     monkeypatch.setattr(llm.prompts, "try_encode", encode)
-    chats = [{"messages": [{"role": "user", "content": c}]} for c in ("think", "")]
-    thinks, plain, ids = llm.generate(chats + [{"input_ids": opened}],
-                                      SamplingParams(max_new_tokens=16, choice=[f"w{word}"]))
+    chats = [{"messages": [{"role": "user", "content": c}]} for c in rendered]
+    thinks, maybe, off, ids = llm.generate(chats + [{"input_ids": opened}],
+                                           SamplingParams(max_new_tokens=16, choice=[f"w{word}"]))
     assert thinks["output_token_ids"] == out[1:4] + [word, eos]  # unconstrained greedy up to </think>
-    assert (thinks["reasoning"], thinks["text"]) == (words(out[1:3]), f"w{word}")
-    assert thinks["constraint"] == "complete"
-    assert plain["output_token_ids"] == ids["output_token_ids"] == [word, eos]
-    assert plain["constraint"] == ids["constraint"] == "complete"
+    assert maybe["output_token_ids"] == out[:4] + [word, eos]  # its greedy first token opens the block
+    for thought in (thinks, maybe):
+        assert (thought["reasoning"], thought["text"]) == (words(out[1:3]), f"w{word}")
+        assert thought["constraint"] == "complete"
+    assert off["output_token_ids"] == ids["output_token_ids"] == [word, eos]
+    assert off["constraint"] == ids["constraint"] == "complete"
 
 
 def run(model, prompt, chat=True, max_new_tokens=8):

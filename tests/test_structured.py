@@ -245,3 +245,28 @@ def test_openai_batch_response_format_and_guided_fields(tmp_path):
                     {"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"grammar": 'root ::= "a"'}, None]
     assert "response_format.type must be" in batch.requests[7]["error"]
     assert batch.warning() is None
+
+
+def test_a_first_token_that_may_open_a_think_block_is_allowed_beside_the_grammars():
+    """The output's first token may be <think> beside what the grammar allows, whichever bit of its 32-bit
+    word it is (bit 31 is the int32's sign); once another token comes first, the grammar holds alone."""
+    from tp_engine.sampling.constraints import Matcher
+
+    class Grammar:  # allows nothing; takes every token
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+        def accept_token(self, tok):
+            return True
+
+        def is_terminated(self):
+            return False
+    for think_open in (63, 40):
+        m = Matcher(Grammar(), think_end=7, think_open=think_open)
+        bitmask = torch.zeros(2, 4, dtype=torch.int32)
+        m.fill(bitmask, 1)
+        allowed = [t for t in range(128) if (int(bitmask[1, t // 32]) >> (t % 32)) & 1]
+        assert allowed == [think_open] and not bitmask[0].any()
+        m.catch_up([5])  # not <think>: the grammar from here on
+        m.fill(bitmask, 1)
+        assert not bitmask[1].any() and m.active and m.think_end is None

@@ -206,8 +206,9 @@ class LLM:
                 error = str(bad) if bad is not None else prompt_problem(self.engine, got) or \
                     constraint_problem(self.engine, p)
                 ids = [] if isinstance(got, PromptError) else list(got)  # one list for the n samples
+                think_open, think_end = think_ends(i, ids)
                 for j in samples:
-                    req = RequestOutput(i, ids, p, sample=j, think_end=think_ends(i, ids))
+                    req = RequestOutput(i, ids, p, sample=j, think_open=think_open, think_end=think_end)
                     if error is not None:  # a bad prompt gets an error line per sample; the others still run
                         req.finish_reason, req.error = "error", error
                     if error is None or dp is not None:  # the coordinator passes an error on to on_remote

@@ -35,19 +35,35 @@ def opens_thinking(prompt_ids: list[int], tags: tuple[int, int],
             and not (decode(prompt_ids[last + 1:]) or "").strip())
 
 
+def closes_thinking(prompt_ids: list[int], tags: tuple[int, int],
+                    decode: Callable[[list[int]], str | None]) -> bool:
+    """Whether the generation prompt ends a think block already (thinking turned off: the template writes an
+    empty `<think></think>`): the prompt's last think tag is `</think>` with only blank text after it."""
+    last = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] in tags), None)
+    return (last is not None and prompt_ids[last] == tags[1]
+            and not (decode(prompt_ids[last + 1:]) or "").strip())
+
+
 class ThinkEnds:
-    """Per prompt of one call: the id of `</think>` when the prompt is a chat one that opens a think block
-    (an output constraint holds after it), else None; found once per prompt. `tags()`: the think tags' ids
-    or None; `chat(i)`: prompt i went through the chat template."""
+    """Per prompt of one call, for an output constraint to hold after the think block: (None, `</think>`'s
+    id) when the prompt is a chat one that opens a think block; (`<think>`'s, `</think>`'s) when the output
+    may open one (Qwen3's template with thinking on leaves `<think>` to the model); (None, None) when the
+    prompt is no chat one or ends a think block already. Found once per prompt. `tags()`: the think tags'
+    ids or None; `chat(i)`: prompt i went through the chat template."""
 
     def __init__(self, tags: Callable[[], tuple[int, int] | None], decode: Callable[[list[int]], str | None],
                  chat: Callable[[int], bool]) -> None:
         self.tags, self.decode, self.chat, self.ends = tags, decode, chat, {}
 
-    def __call__(self, i: int, ids: Sequence[int]) -> int | None:
+    def __call__(self, i: int, ids: Sequence[int]) -> tuple[int | None, int | None]:
         if i not in self.ends:
             tags = self.tags() if self.chat(i) else None
-            self.ends[i] = tags[1] if tags and opens_thinking(list(ids), tags, self.decode) else None
+            if not tags or closes_thinking(list(ids), tags, self.decode):
+                self.ends[i] = (None, None)
+            elif opens_thinking(list(ids), tags, self.decode):
+                self.ends[i] = (None, tags[1])
+            else:
+                self.ends[i] = tags
         return self.ends[i]
 
     def find_all(self, encoded: list[Sequence[int] | PromptError]) -> None:

@@ -21,7 +21,8 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
               grammars: Grammars | None) -> torch.Tensor:
     """The step's logits [B, V] with the tokens each constrained row's grammar forbids set to -inf (the same
     tensor when no row is constrained). `previous`: the step issued before, whose tokens are still in flight.
-    A request whose prompt opens a think block is free up to its `think_end` token, constrained after it."""
+    A request whose prompt opens a think block is free up to its `think_end` token, constrained after it;
+    one whose first output token may open a block (`think_open`) is free in it if it does."""
     rows = [i for i, (r, s) in enumerate(zip(plan.reqs, plan.sampled)) if s and has_constraint(r.out.params)]
     if not rows:
         return logits
@@ -33,7 +34,7 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
     for i in rows:
         r = plan.reqs[i]
         if r.matcher is None:
-            r.matcher = grammars.matcher(r.out.params, r.out.think_end)
+            r.matcher = grammars.matcher(r.out.params, r.out.think_end, r.out.think_open)
         pending = None
         if plan.ref_rows[i] is not None:  # its newest token is row ref_rows[i] of the step before
             if in_flight is None:

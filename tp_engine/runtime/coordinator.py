@@ -34,12 +34,12 @@ def first_page(ids: list[int], page_size: int) -> int | None:
 
 def grant_of(req: RequestOutput) -> tuple:
     """What rank 0 sends another replica of a request to run (`granted` makes it again there)."""
-    return req.index, req.sample, req.prompt_ids, req.params, req.think_end
+    return req.index, req.sample, req.prompt_ids, req.params, req.think_open, req.think_end
 
 
 def granted(item: tuple) -> RequestOutput:
-    index, sample, ids, params, think_end = item
-    return RequestOutput(index, ids, params, sample=sample, think_end=think_end)
+    index, sample, ids, params, think_open, think_end = item
+    return RequestOutput(index, ids, params, sample=sample, think_open=think_open, think_end=think_end)
 
 
 def result_of(out: RequestOutput) -> tuple:

@@ -24,7 +24,10 @@ class RequestOutput:
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (at the last admission)
     logprobs: list[dict] = field(default_factory=list)  # one entry per output token, with sampling.logprobs
     constraint: str | None = None  # with an output constraint, once finished: "complete" or "incomplete"
-    think_end: int | None = None  # the id ending the think block its prompt opens: constrained after it
+    # an output constraint holds after `think_end`, the id ending the think block its prompt opens, or that
+    # `think_open`, when it is the first output token, opens
+    think_end: int | None = None
+    think_open: int | None = None
 
 
 @dataclass(eq=False)

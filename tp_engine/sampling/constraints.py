@@ -88,10 +88,11 @@ class Grammars:
             self._compiled[key] = got
         return self._compiled[key]
 
-    def matcher(self, params: Any, think_end: int | None = None) -> Matcher:
-        """A fresh matcher of `params`' constraint; with `think_end`, it applies after that token only."""
+    def matcher(self, params: Any, think_end: int | None = None, think_open: int | None = None) -> Matcher:
+        """A fresh matcher of `params`' constraint; with `think_end`, it applies after that token only (and
+        with `think_open` too, only if the first output token is that one)."""
         import xgrammar
-        return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end)
+        return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end, think_open)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """[rows, vocab / 32] int32, every token allowed."""
@@ -101,10 +102,14 @@ class Grammars:
 
 class Matcher:
     """A request's place in its grammar. `fed` counts the output tokens taken so far; with `think_end`, the
-    tokens up to that one are free text (a think block) and the grammar holds after it."""
+    tokens up to that one are free text (a think block) and the grammar holds after it. With `think_open`
+    too, the block is the output's to open: its first token may be `think_open` beside what the grammar
+    allows; if it is, the block runs to `think_end`, else the grammar holds from the first token."""
 
-    def __init__(self, matcher, think_end: int | None = None) -> None:
-        self.m, self.fed, self.think_end = matcher, 0, think_end
+    def __init__(self, matcher, think_end: int | None = None, think_open: int | None = None) -> None:
+        self.m, self.fed = matcher, 0
+        self.think_open, self._end = think_open, think_end
+        self.think_end = think_end if think_open is None else None  # inside a think block: free up to it
 
     @property
     def active(self) -> bool:
@@ -127,6 +132,11 @@ class Matcher:
             self.fed += 1
 
     def _take(self, tok: int) -> None:
+        if self.think_open is not None:  # the first output token: it opens a think block, or the grammar's
+            opens, self.think_open = tok == self.think_open, None
+            if opens:
+                self.think_end = self._end
+                return
         if self.think_end is not None:
             if tok == self.think_end:
                 self.think_end = None
@@ -135,6 +145,9 @@ class Matcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
+        if self.think_open is not None:  # the first token may open a think block too
+            word, bit = divmod(self.think_open, 32)
+            bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32 words
 
     def complete(self) -> bool:
         """The output so far is a whole match of the grammar (the stop token taken or not)."""
