@@ -42,8 +42,8 @@ def generate(llm, prompts=PROMPTS):
 def record_plans(llm) -> list:
     plans = []
     issue = llm.engine.issue
-    llm.engine.issue = lambda sched, plan: plans.append((list(plan.lens), plan.sampled[:], plan.is_prefill)) \
-        or issue(sched, plan)
+    llm.engine.issue = lambda sched, plan, *rest: \
+        plans.append((list(plan.lens), plan.sampled[:], plan.is_prefill)) or issue(sched, plan, *rest)
     return plans
 
 
@@ -179,10 +179,10 @@ def test_long_prompt_in_cost_bounded_chunks_equals_hf(ckpt):
     chunks = []
     issue = llm.engine.issue
 
-    def record(sched, plan):
+    def record(sched, plan, *rest):
         chunks.extend((r.num_cached, n) for r, n in zip(plan.reqs, plan.lens)
                       if r.out.index == 2 and r.num_cached < len(long) and len(plan.reqs) > 1)
-        return issue(sched, plan)
+        return issue(sched, plan, *rest)
 
     llm.engine.issue = record
     out = generate(llm, prompts)
