@@ -83,14 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(cfg, prompts, rank, config_path=args.config, quiet=args.quiet)
     except Exception as e:  # noqa: BLE001 - any failure ends this rank now; torchrun then stops the rest
-        from tp_engine.comm import StartupError, failure_report, gloo_reason  # torch is loaded by now
+        from tp_engine.comm import PeerLost, StartupError, failure_report, gloo_reason  # torch is loaded
         if isinstance(e, StartupError):
             fail(rank, str(e), 2)
             os._exit(2)  # the process group is up: leave without gloo's teardown (see finish)
         _STOPPING.acquire(blocking=False)  # a signal now (torchrun's, as the others stop) must not hide why
         message = failure_report() or f"{type(e).__name__}: {e}"  # a stuck push all-reduce stops its kernel
         lost = ("Connection reset by peer", "closed by peer")
-        if isinstance(e, RuntimeError) and any(s in str(e) for s in lost):
+        if isinstance(e, PeerLost):  # which rank, and how, is in the message
+            message = str(e)
+        elif isinstance(e, RuntimeError) and any(s in str(e) for s in lost):
             # its traceback would only show where this rank was waiting
             message = f"lost contact with another rank ({gloo_reason(e)}): it probably died; the launcher " \
                 "names it"

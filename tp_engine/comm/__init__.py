@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from tp_engine.comm.custom_all_reduce import _PushAllReduce, enable_fast_all_reduce, failure_report
-from tp_engine.comm.group import (StartupError, TPGroup, check_startup, get_tp, gloo_reason, init_distributed,
-                                  mark_out_of_step, pick_device, set_tp, shutdown, world_cpu_group)
+from tp_engine.comm.group import (PeerLost, StartupError, TPGroup, check_startup, get_tp, gloo_reason,
+                                  init_distributed, mark_out_of_step, pick_device, set_tp, shutdown,
+                                  world_cpu_group)
 
 __all__ = ["TPGroup", "get_tp", "set_tp", "pick_device", "init_distributed", "shutdown", "mark_out_of_step",
-           "StartupError",
+           "StartupError", "PeerLost",
            "check_startup", "gloo_reason", "enable_fast_all_reduce", "failure_report",
            "all_reduce", "all_reduce_add_rmsnorm", "gather_to_rank0",
            "broadcast", "broadcast_ints", "broadcast_object", "all_gather_object", "barrier",

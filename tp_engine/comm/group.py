@@ -161,6 +161,11 @@ def world_cpu_group(tp: TPGroup):
     return tp.dp.world_cpu if tp.dp is not None else tp.cpu_group
 
 
+class PeerLost(RuntimeError):
+    """Another rank of the job failed or is gone; the message says which and how. Where this rank was
+    waiting (its traceback) tells nothing more."""
+
+
 class StartupError(RuntimeError):
     """Raised on every rank when any rank failed to start, with that rank's message."""
 

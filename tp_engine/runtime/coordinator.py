@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict, deque
 from typing import Callable, Iterator
 
+from tp_engine.comm import PeerLost
 from tp_engine.comm.replicas import DPGroup, recv_obj, send_obj
 from tp_engine.runtime.request import RequestOutput
 
@@ -106,7 +107,7 @@ class Coordinator:
         while True:
             with self.lock:
                 if self.error is not None:
-                    raise RuntimeError(self.error)
+                    raise PeerLost(self.error)
                 if not self.finished:
                     return
                 req = self.finished.popleft()
