@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import jsonschema
 import pytest
 import torch
 
@@ -74,6 +73,8 @@ def check_output(out: dict, kind: str) -> None:
         return
     text = out["text"]
     if kind == "json_schema":
+        import jsonschema  # here: the GPU machines, which collect this file, lack it
+
         jsonschema.validate(json.loads(text), SCHEMA)
     elif kind == "choice":
         assert text in CONSTRAINTS["choice"]
