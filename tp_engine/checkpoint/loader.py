@@ -130,8 +130,13 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load_checkpoint(model: nn.Module, model_dir: str) -> None:
+    """Every parameter of `model` from the checkpoint in `model_dir`, this rank's shard of each; the
+    model's persistent buffers (an EAGLE-3 head's vocabulary map) too, whole, where the checkpoint has
+    them."""
     params = dict(model.named_parameters())
     targets = checkpoint_map(model)
+    state = model.state_dict(keep_vars=True)
+    buffers = {name: b for name, b in model.named_buffers() if name in state}  # the persistent ones
     tied = getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings
     seen: dict[str, str] = {}  # tensor name -> the file it came from
     tied_head = None  # with tied embeddings, the file of an lm_head.weight the checkpoint also holds
@@ -143,6 +148,10 @@ def load_checkpoint(model: nn.Module, model_dir: str) -> None:
                         continue  # derived, in some checkpoints
                     if tied and name == HEAD:
                         tied_head = file
+                        continue
+                    if name in buffers:
+                        _load_buffer(buffers[name], handle, name, file)
+                        seen[name] = file.name
                         continue
                     if name not in targets:
                         unquantized = getattr(getattr(model, "cfg", None), "quant", 0) is None
@@ -184,6 +193,18 @@ def _load(params: dict, targets: dict, handle, name: str, file: Path, source: st
         loader(param, SliceSource(handle, source or name, param.dtype == torch.float8_e4m3fn), shard)
     except ValueError as e:
         raise CheckpointError(f"tensor '{source or name}' in {file.name}: {e}") from None
+
+
+def _load_buffer(buf: torch.Tensor, handle, name: str, file: Path) -> None:
+    """A buffer whole: same shape, and the same kind of dtype (integer, bool or floating point)."""
+    t = handle.get_tensor(name)
+
+    def kind(dtype: torch.dtype) -> str:
+        return "bool" if dtype == torch.bool else "floating" if dtype.is_floating_point else "integer"
+    if t.shape != buf.shape or kind(t.dtype) != kind(buf.dtype):
+        raise CheckpointError(f"tensor '{name}' in {file.name}: expected {kind(buf.dtype)} values of shape "
+                              f"{list(buf.shape)}, checkpoint has {t.dtype} {list(t.shape)}")
+    buf.copy_(t)
 
 
 def _check_tied_head(params: dict, targets: dict, file: Path) -> None:
