@@ -152,7 +152,7 @@ def check_head(head_dir: Path, target_dir: Path) -> None:
             logits = head.logits(out)
         backend.prepare(decode)
         with forward_context(decode, cache, backend):
-            out2 = head(embeds2, out[prefill.last_indices])
+            out2 = head(embeds2, out[prefill.logit_rows])
             logits2 = head.logits(out2)
     assert (logits is None) == (logits2 is None) == (rank != 0)
     for r, rows in enumerate([slice(0, 5), slice(5, 8)]):

@@ -196,7 +196,7 @@ def test_step_message_size_does_not_grow_with_context():
     short, long = decode_message_sizes(10), decode_message_sizes(302)
     assert short == long
     B = 3
-    assert set(short) == {6 + 8 * B, 6 + 8 * B + B}  # head, 3 per token, 5 per row; plus a page each at times
+    assert set(short) == {7 + 8 * B, 7 + 8 * B + B}  # head, 3 per token, 5 per row; plus a page each at times
 
 
 def test_clear_recovers_pages_from_an_alloc_cut_short():

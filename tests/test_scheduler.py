@@ -55,7 +55,7 @@ def drive(lagged: bool, num_pages: int, max_batch: int = 8, fed: bool = False) -
             batch = decode_message(issue(sched, plan), tables)
             ids = [t if t >= 0 else device_tokens[-1 - t] for t in batch.input_ids.tolist()]
             pos = batch.positions.tolist()
-            rows = batch.last_indices.tolist()
+            rows = batch.logit_rows.tolist()
             tokens = [next_token(ids[i], pos[i]) for i in rows]
             device_tokens[:len(tokens)] = tokens
             issued = (plan, tokens)

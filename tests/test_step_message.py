@@ -36,7 +36,7 @@ def test_step_message_round_trip_with_dropped_slots_and_appended_pages():
     batch = back.to_batch(tables)
     assert len(tables) == 3 and [t.tolist() for t in batch.page_tables] == [[11], [8, 9], [1, 2, 3, 5]]
     assert batch.is_prefill and batch.input_ids.tolist() == [10, 11, 12, -1, -2]
-    assert batch.seq_lens == [3, 10, 13] and batch.last_indices.tolist() == [2, 3, 4]
+    assert batch.seq_lens == [3, 10, 13] and batch.logit_rows.tolist() == [2, 3, 4]
 
 
 def request_counts(sched: Scheduler) -> list[tuple]:

@@ -204,7 +204,8 @@ def run(cfg: dict, prompts: list, rank: int, config_path: str | None = None, qui
         sys.stderr.flush()
         os._exit(128 + _LATE[0])
     release_output()
-    print(summary.line(seconds, llm.engine.num_preempted, len(sink.skip)), file=sys.stderr)
+    print(summary.line(seconds, llm.engine.num_preempted, len(sink.skip), llm.engine.spec_summary()),
+          file=sys.stderr)
     if not summary.errors:
         return finish(llm, 0)
     # Every prompt has its line: a few bad prompts in a large batch leave the job successful (a scheduler

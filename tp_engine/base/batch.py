@@ -33,8 +33,11 @@ class Batch:
     seq_lens: list[int]  # [B] KV length of each request after this step
     extend_lens: list[int]  # [B] new tokens of each request in this step
     page_tables: list  # [B] pages of each request, in order (int32 arrays: step_message.PageTables)
-    last_indices: torch.Tensor  # [B] row of each request's last token in the packed N rows
+    # rows whose logits the step returns, in the packed N rows: each request's last token, and every token of
+    # a request that verifies drafts (step_message.StepMessage.verify)
+    logit_rows: torch.Tensor
     plan: dict[str, Any] = field(default_factory=dict)  # what the attention backend prepared for this batch
+    draft: int = 0  # 0: the target model's step; 1, 2: a proposer's first and next forwards (drafting.py)
 
     @property
     def size(self) -> int:
@@ -52,6 +55,10 @@ class Context:
     batch: Batch
     kv_cache: Any  # tp_engine.attention.kv_cache.KVCache
     attn: Any  # an attention backend
+    # the decoder layers whose input (the residual stream) the step keeps in `aux`, in order: what an EAGLE
+    # head reads of the target (speculative/eagle.py)
+    capture: tuple[int, ...] = ()
+    aux: list = field(default_factory=list)
 
 
 _STEP: ContextVar[Context | None] = ContextVar("tp_engine_step", default=None)
@@ -63,9 +70,9 @@ def get_context() -> Context | None:
 
 
 @contextmanager
-def forward_context(batch: Batch, kv_cache, attn):
+def forward_context(batch: Batch, kv_cache, attn, capture: tuple[int, ...] = ()):
     """The step the layers read (`get_context`) while the block runs; the one before it after."""
-    ctx = Context(batch, kv_cache, attn)
+    ctx = Context(batch, kv_cache, attn, capture)
     token = _STEP.set(ctx)
     try:
         yield ctx

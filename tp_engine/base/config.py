@@ -38,6 +38,7 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[leaf] = value
 
 
+PATH_KEYS = ("model", "prompts_file", "output", "speculative.model")  # a leading ~ is the home folder
 # the sections: sampling, kv_cache, advanced
 SECTIONS = {dotted.rsplit(".", 1)[0] for dotted in SCHEMA if "." in dotted}
 
@@ -120,7 +121,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
         _apply_layer([data], flat)
         base = p.parent
         # Relative paths in a config file are relative to the file's folder when that is where they exist.
-        for k in ("model", "prompts_file"):
+        for k in ("model", "prompts_file", "speculative.model"):
             v = flat.get(k)
             relative = isinstance(v, str) and not Path(v).is_absolute()
             if relative and not Path(v).exists() and (base / v).exists():
@@ -133,7 +134,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, **
             raise _unknown(k, v)
         if isinstance(v, bool) and SCHEMA[k].choices and "off" in SCHEMA[k].choices:
             v = "on" if v else "off"  # YAML 1.1 reads a bare on / off as true / false
-        if k in ("model", "prompts_file", "output") and isinstance(v, str) and v.startswith("~"):
+        if k in PATH_KEYS and isinstance(v, str) and v.startswith("~"):
             v = os.path.expanduser(v)  # as a shell would: not a folder named "~" in the working directory
         if k == "output" and v == "-":
             v = None  # stdout, as without `output`
@@ -187,8 +188,24 @@ def validate(cfg: dict) -> None:
     if cfg["output"] == "":  # not stdout unsaid: a path left empty by mistake, say by a shell variable
         raise ConfigError("config key 'output' is an empty string: give a file path, or \"-\" (or no "
                           "'output') for stdout")
+    check_speculative(cfg["speculative"])
     if cfg["resume"] and not cfg["output"]:
         raise ConfigError("config key 'resume' needs 'output': the results file to resume")
+
+
+def check_speculative(spec: dict) -> None:
+    """The `speculative` keys together: a model for the methods that run one, a sane n-gram range."""
+    method, model = spec["method"], spec["model"]
+    if method in ("eagle3", "draft"):
+        if not model:
+            raise ConfigError(f"config key 'speculative.model' is required with speculative.method {method}: "
+                              "the checkpoint directory of the " + ("EAGLE-3 head" if method == "eagle3"
+                                                                    else "draft model"))
+        if not Path(model).is_dir():
+            raise ConfigError(f"config key 'speculative.model': directory not found: {model}")
+    if spec["ngram_min"] > spec["ngram_max"]:
+        raise ConfigError(f"config key 'speculative.ngram_min' ({spec['ngram_min']}) is larger than "
+                          f"'speculative.ngram_max' ({spec['ngram_max']})")
 
 
 def check_one_constraint(values: dict, prefix: str, suffix: str = "", lead: str = "") -> None:

@@ -78,6 +78,16 @@ def choices(v):
     return None
 
 
+def spec_method(v):
+    if v not in ("eagle3", "draft", "ngram"):
+        return "must be one of eagle3, draft, ngram, or null (off)"
+
+
+def spec_tokens(v):
+    if not 1 <= v <= 16:
+        return "must be between 1 and 16"
+
+
 def constraint_clash(values: dict) -> list[str]:
     """The constraint keys set (not None) in `values`, sampling settings by name (two or more: an error)."""
     return [k for k in CONSTRAINT_KEYS if values.get(k) is not None]

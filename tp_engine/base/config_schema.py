@@ -101,6 +101,21 @@ SCHEMA: dict[str, Key] = {
                            check=checks.choices),
     "sampling.grammar": Key(_STR + _NONE, None, "constrain the output to this EBNF grammar (xgrammar's)",
                             check=checks.non_empty_text),
+    "speculative.method": Key(
+        _STR + _NONE, None,
+        "speculative decoding: eagle3 = an EAGLE-3 head, draft = a smaller Qwen3 with the same tokenizer, "
+        "ngram = prompt lookup (no weights); null = off",
+        check=checks.spec_method),
+    "speculative.model": Key(
+        _STR + _NONE, None, "the EAGLE-3 head's or the draft model's checkpoint directory"),
+    "speculative.num_tokens": Key(
+        _INT, 4, "most draft tokens a request verifies per step", check=checks.spec_tokens),
+    "speculative.adaptive": Key(
+        _BOOL, True,
+        "speculate only while it pays: fewer draft tokens, or none, at large batches or low "
+        "acceptance; false = always num_tokens"),
+    "speculative.ngram_min": Key(_INT, 1, "ngram: the shortest suffix looked up", check=checks.positive),
+    "speculative.ngram_max": Key(_INT, 4, "ngram: the longest suffix looked up", check=checks.positive),
     "prompts": Key(_LIST + _NONE, None, "list of strings or {input_ids: [...]} or {messages: [...]}"),
     "prompts_file": Key(
         _STR + _NONE, None,

@@ -30,8 +30,10 @@ class Summary:
     def errors(self) -> int:
         return self.counts["errors"]
 
-    def line(self, seconds: float, preempted: int, resumed_skipped: int) -> str:
-        """`summary: {...}`; `preempted`, `prompts` and `resumed_skipped` only where they say something."""
+    def line(self, seconds: float, preempted: int, resumed_skipped: int,
+             speculation: dict | None = None) -> str:
+        """`summary: {...}`; `preempted`, `prompts` and `resumed_skipped` only where they say something;
+        `speculation`'s counts (acceptance_rate, accept_length, spec_share) where it is on."""
         summary = {**self.counts, "seconds": round(seconds, 3),
                    "tokens_per_s": round(self.counts["output_tokens"] / max(seconds, 1e-9), 1)}
         if preempted:
@@ -40,6 +42,7 @@ class Summary:
             summary["prompts"] = len(self.indices)
         if resumed_skipped:
             summary["resumed_skipped"] = resumed_skipped
+        summary.update(speculation or {})
         return "summary: " + json.dumps(summary)
 
     def errors_line(self, output: str | None, shown_on_terminal: bool) -> str:

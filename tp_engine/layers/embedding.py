@@ -48,6 +48,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
         if ctx is not None and ctx.batch.is_prefill:
-            hidden = hidden[ctx.batch.last_indices]  # prefill: one row per request, not per token
+            hidden = hidden[ctx.batch.logit_rows]  # prefill: one row per request, not per token
         logits = gather_to_rank0(matmul(hidden, self.weight, ops=self.ops), self.tp)
         return None if logits is None else logits[:, : self.vocab_size]

@@ -24,7 +24,7 @@ from torch import nn
 
 from tp_engine.base.batch import get_context
 from tp_engine.checkpoint.eagle3_config import Eagle3Config
-from tp_engine.checkpoint.loader import CheckpointError, checkpoint_files, load_checkpoint
+from tp_engine.checkpoint.loader import CheckpointError, checkpoint_files, init_dummy, load_checkpoint
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.comm import get_tp
 from tp_engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -191,11 +191,15 @@ def tensor_files(path: str) -> dict[str, str]:
     return out
 
 
-def load_eagle3(path: str, target_cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+def load_eagle3(path: str, target_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                dummy_seed: int | None = None) -> Eagle3Head:
     """The EAGLE-3 head in directory `path`, checked against the target `target_cfg`, built in `dtype` on
-    `device` and sharded for this rank's TP group."""
+    `device` and sharded for this rank's TP group. dummy_seed: random weights from config.json alone
+    (`load_format: dummy`, for benchmarks of the published shapes), the draft vocabulary the first ids."""
     cfg = Eagle3Config.from_dir(path, target_cfg)
     cfg.check_tp(get_tp().size)
+    if dummy_seed is not None:
+        return _dummy_head(cfg, dtype, device, dummy_seed)
     files = tensor_files(path)
     if cfg.draft_vocab_size < cfg.vocab_size and "d2t" not in files:
         raise CheckpointError(f"checkpoint {path} is missing tensor 'd2t': draft_vocab_size "
@@ -214,4 +218,15 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype: torch.dtype, device: 
         torch.set_default_dtype(torch.float32)
     load_checkpoint(head, path)
     head.check_vocab_map(files)
+    return head.eval()
+
+
+def _dummy_head(cfg: Eagle3Config, dtype: torch.dtype, device: torch.device, seed: int) -> Eagle3Head:
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = Eagle3Head(cfg, own_embed=cfg.hidden_size != cfg.target_hidden_size)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    init_dummy(head, seed, get_tp().rank)
     return head.eval()

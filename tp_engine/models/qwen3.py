@@ -79,6 +79,9 @@ class Qwen3DecoderLayer(nn.Module):
         # attention and MLP outputs leave their row-parallel projections as per-rank partial sums; the norm
         # after each all-reduces them. Layer 0's input is the embedding, whole on every rank.
         x, residual = self.input_layernorm(x, residual, reduce=self.layer_id > 0)
+        ctx = get_context()
+        if ctx is not None and self.layer_id in ctx.capture:  # the stream entering this layer
+            ctx.aux.append(residual.clone())
         x = self.self_attn(x)
         x, residual = self.post_attention_layernorm(x, residual, reduce=True)
         return self.mlp(x), residual

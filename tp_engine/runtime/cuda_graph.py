@@ -87,7 +87,7 @@ class GraphRunner:
         self.host_meta = self.host[self.rows_bytes:].view(np.int32)
         self.k_rows = torch.zeros(M, dtype=torch.int64, device=dev)
         self.v_rows = torch.zeros(M, dtype=torch.int64, device=dev)
-        self.last_indices = torch.arange(M, device=dev)
+        self.logit_rows = torch.arange(M, device=dev)
         self.indptr_buf, self.last_buf, self.indices_buf = self.meta[:M + 1], self.meta[M + 1:2 * M + 1], \
             self.meta[2 * M + 1:]
 
@@ -109,7 +109,7 @@ class GraphRunner:
         """The static batch of a bucket whose attention runs `attention` (a wrapper or the decode kernel)."""
         plan = StepPlan(attention, self.k_rows[:bs], self.v_rows[:bs])
         return Batch(False, self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs], [1] * bs, [1] * bs,
-                     [[self.kv.scratch_page]] * bs, self.last_indices[:bs], plan={"flashinfer": plan})
+                     [[self.kv.scratch_page]] * bs, self.logit_rows[:bs], plan={"flashinfer": plan})
 
     # ---- capture ----
 

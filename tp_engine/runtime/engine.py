@@ -14,18 +14,18 @@ from typing import Callable, Iterable
 import torch
 
 from tp_engine import comm, kernels
-from tp_engine.attention import fuses_qkv, make_backend
+from tp_engine.attention import fuses_qkv
 from tp_engine.base.config import fingerprint
 from tp_engine.base.batch import Batch, forward_context
-from tp_engine.attention.kv_cache import KVCache
-from tp_engine.runtime.memory_plan import is_oom, num_pages, step_oom
+from tp_engine.runtime.memory_plan import is_oom, step_oom
 from tp_engine.layers.fp8 import settle_experts
-from tp_engine.runtime.engine_setup import agree_on_kernels, capture_graphs, graphs_wanted, setup_model
+from tp_engine.runtime.engine_setup import agree_on_kernels, capture_graphs, setup_cache, setup_model
 from tp_engine.runtime.constrained import follow_tokens, mark_finished, mask_step
 from tp_engine.runtime.page_pool import PagePool
 from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.runtime.request import RequestOutput
 from tp_engine.runtime.scheduler import Scheduler
+from tp_engine.runtime.speculation import Speculation
 from tp_engine.runtime.step_message import PageTables, decode_message, on_device, stop_message
 from tp_engine.runtime.step_plan import Plan, step_message
 from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, sampling_inputs, to_host
@@ -63,35 +63,23 @@ class Engine:
         self.ops = agree_on_kernels(self, ops)
         self.model.bind(self.ops, fuses_qkv(cfg["attention_backend"], device, self.ops))
         settle_experts(self.model, self.ops is not None)  # FP8 experts: fp8 or dequantized
+        self.spec = None  # speculative decoding's proposer and policy (runtime/speculation.py)
+        try:  # its weights before the KV pool is sized
+            self.spec = Speculation(self) if cfg["speculative"]["method"] else None
+        except (ValueError, OSError) as e:  # its checkpoint: config.json, tokenizer, shapes
+            error = e
+        comm.check_startup(error, fingerprint(cfg), self.tp)
+        self.capture = self.spec.capture if self.spec is not None else ()
         # the all-reduce of small messages on this engine's group, the same with CUDA graphs or without
         self.all_reduce_kind = comm.enable_fast_all_reduce(
             self.tp, self.dtype, self.ops is not None, cfg["advanced"]["all_reduce"], cfg["timeout_s"])
-        mc = self.model_cfg
 
-        page_size = cfg["kv_cache"]["page_size"]
-        qkv = self.model.model.layers[0].self_attn.qkv_proj
-        self.kv_heads_local = qkv.kv_heads
-        self.step_tokens = cfg["max_prefill_tokens"]  # the largest step, as the memory plan measured it
-        graphs = graphs_wanted(self)
-        graph_tokens = 0  # piecewise_graph.py: TP 1 only
-        if graphs and self.tp.size == 1:
-            graph_tokens = min(cfg["cuda_graph_max_tokens"], cfg["max_prefill_tokens"])
-        graph_batch = min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]) if graphs else 0
-        per_page = KVCache.bytes_per_page(mc.num_layers, page_size, qkv.kv_heads, mc.head_dim, self.dtype)
-        try:  # raises only past num_pages' collective, which no rank then misses: check_startup agrees
-            pages, self.memory = num_pages(self, per_page, graph_tokens, graph_batch)
-            self.kv = KVCache(mc.num_layers, pages, page_size, qkv.kv_heads, mc.head_dim,
-                              self.dtype, device)
-        except ValueError as e:  # no room for a page, or no memory for the pages asked for
-            error = e
-        comm.check_startup(error, fingerprint(cfg), self.tp)
-        self.max_batch = min(cfg["max_batch_size"], self.kv.num_pages)  # each running request holds a page
-        self.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads,
-                                 num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=page_size,
-                                 dtype=self.dtype, max_batch=self.max_batch,
-                                 num_pages=self.kv.num_pages, ops=self.ops)
+        graphs = setup_cache(self)  # the KV pool, sized by the memory plan, and the attention backend
+        page_size = self.kv.page_size
         # the tokens sampled in the latest step, on every rank: the next step's input reads them from here
         self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        if self.spec is not None:
+            self.spec.allocate(self)
         self.tables = PageTables()  # every running request's pages, kept in step by the step messages
         # rank 0 owns the pages and the prefix cache, which lasts as long as the engine (across runs)
         self.pool = None
@@ -116,6 +104,10 @@ class Engine:
         """Requests of the latest run recomputed after their pages were taken (so far, if it failed)."""
         return self.sched.num_preempted if self.sched is not None else 0
 
+    def spec_summary(self) -> dict | None:
+        """Speculative decoding's counts since the engine started (speculative/policy.py), or None: off."""
+        return self.spec.policy.counts.summary() if self.spec is not None else None
+
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds (the tied LM head counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -136,8 +128,11 @@ class Engine:
             return self.pieces.run(batch)
         self.attn.prepare(batch)
         try:
-            with forward_context(batch, self.kv, self.attn):
-                return self.model(batch.input_ids)
+            with forward_context(batch, self.kv, self.attn, self.capture) as ctx:
+                logits = self.model(batch.input_ids)
+                if ctx.aux:  # what an EAGLE head reads of this step
+                    self.spec.store(batch, ctx.aux)
+                return logits
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError too
             if not is_oom(e):
                 raise
@@ -156,6 +151,9 @@ class Engine:
         self.tables.clear()
         with self._shared_step():
             while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.tables)) is not None:
+                if batch.draft:  # a proposer's forward (runtime/drafting.py)
+                    self.spec.follow(batch)
+                    continue
                 self.forward(batch)
                 self.share_tokens(None, batch.size)
 
@@ -203,7 +201,21 @@ class Engine:
             sched.feed(requests)
             inflight: Issued | None = None
             while sched.has_work():
-                plan = sched.schedule()
+                plan = None
+                k = self.spec.choose(sched) if self.spec is not None else 0
+                if k:  # a speculating step reads every token before it, and runs to its end
+                    if inflight is not None:
+                        self.take_tokens(sched, inflight, on_token, on_finish)
+                        inflight = None
+                        if not sched.has_work():
+                            break
+                    with self._shared_step():
+                        plan = self.spec.step(self, sched, k, on_token, on_finish)
+                    if plan is None:
+                        continue
+                elif self.spec is not None:
+                    self.spec.plain_step(sched)
+                plan = plan or sched.schedule()
                 if not plan.reqs and inflight is None:
                     # a bug, not a user error: never spin
                     raise RuntimeError("scheduler found no step to run")

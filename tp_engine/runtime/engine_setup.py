@@ -9,10 +9,12 @@ from types import SimpleNamespace
 import torch
 
 from tp_engine import comm
-from tp_engine.attention import check_backend
+from tp_engine.attention import check_backend, make_backend
+from tp_engine.attention.kv_cache import KVCache
+from tp_engine.base.config import fingerprint
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models import compute_dtype, load_model
-from tp_engine.runtime.memory_plan import gib, graph_oom
+from tp_engine.runtime.memory_plan import gib, graph_oom, num_pages
 
 log = logging.getLogger("tp_engine")
 
@@ -59,7 +61,41 @@ def graphs_wanted(engine) -> bool:
         # see moe.py
         log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")
         return False
+    if cfg["speculative"]["method"] == "eagle3":  # the graphs do not keep the layers' inputs for the head
+        log.warning("CUDA graphs off: the target's steps feed an EAGLE-3 head")
+        return False
     return True
+
+
+def setup_cache(engine) -> bool:
+    """Size the KV pool by the memory plan (the proposer's caches count per page, and the CUDA graphs about
+    to be captured) and allocate it, with the attention backend. Returns whether CUDA graphs are captured."""
+    cfg, device, mc = engine.cfg, engine.device, engine.model_cfg
+    error = None
+    page_size = cfg["kv_cache"]["page_size"]
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    engine.kv_heads_local = qkv.kv_heads
+    engine.step_tokens = cfg["max_prefill_tokens"]  # the largest step, as the memory plan measured it
+    graphs = graphs_wanted(engine)
+    graph_tokens = 0  # piecewise_graph.py: TP 1 only
+    if graphs and engine.tp.size == 1:
+        graph_tokens = min(cfg["cuda_graph_max_tokens"], cfg["max_prefill_tokens"])
+    graph_batch = min(cfg["cuda_graph_max_batch"], cfg["max_batch_size"]) if graphs else 0
+    per_page = KVCache.bytes_per_page(mc.num_layers, page_size, qkv.kv_heads, mc.head_dim, engine.dtype)
+    if engine.spec is not None:  # the proposer's caches take as many pages as the target's
+        per_page += engine.spec.bytes_per_page(page_size)
+    try:  # raises only past num_pages' collective, which no rank then misses: check_startup agrees
+        pages, engine.memory = num_pages(engine, per_page, graph_tokens, graph_batch)
+        engine.kv = KVCache(mc.num_layers, pages, page_size, qkv.kv_heads, mc.head_dim, engine.dtype, device)
+    except ValueError as e:  # no room for a page, or no memory for the pages asked for
+        error = e
+    comm.check_startup(error, fingerprint(cfg), engine.tp)
+    engine.max_batch = min(cfg["max_batch_size"], engine.kv.num_pages)  # each running request holds a page
+    engine.attn = make_backend(cfg["attention_backend"], device, num_heads=qkv.q_heads,
+                               num_kv_heads=qkv.kv_heads, head_dim=mc.head_dim, page_size=page_size,
+                               dtype=engine.dtype, max_batch=engine.max_batch,
+                               num_pages=engine.kv.num_pages, ops=engine.ops)
+    return graphs
 
 
 def capture_graphs(engine) -> None:

@@ -43,6 +43,7 @@ class RequestState:
     keys: list[bytes] = field(default_factory=list, repr=False)  # content keys of the pages it registered
     chain: list[bytes] = field(default_factory=list, repr=False)  # keys of its first full pages, for good
     matcher: Any = None  # its output constraint's state (sampling.constraints.Matcher), fed its output_ids
+    spec_cached: int = 0  # positions whose K/V the proposer's own cache holds (a draft model, an EAGLE head)
 
     @property
     def num_tokens(self) -> int:

@@ -84,17 +84,22 @@ class Scheduler:
 
     # ---- deciding a step ----
 
-    def schedule(self) -> Plan:
+    def schedule(self, drafts: dict[RequestState, list[int]] | None = None) -> Plan:
         """The next step's rows. The pages they need are taken here (admission, prefix-cache hits, new pages,
-        preemption); the step counts as issued only at `commit`."""
+        preemption); the step counts as issued only at `commit`. `drafts`: tokens proposed for decoding
+        requests (their pages taken by spec_schedule.reserve_drafts), verified in rows that come first."""
         decoding = self._grow_for_decode()
         plan = Plan()
+        drafts = drafts or {}
         for r, d in zip(self.running, decoding):
-            if d and not self.done_by_length(r):
+            if d and drafts.get(r) and not self.done_by_length(r):
+                plan.add_row(r, 1 + len(drafts[r]), drafts[r])
+        for r, d in zip(self.running, decoding):
+            if d and not drafts.get(r) and not self.done_by_length(r):
                 plan.add_row(r, 1)
         bounded = self.decode_cost > 0 and plan.reqs  # requests are decoding
         decode_cost = self.decode_cost if bounded else math.inf
-        budget = StepBudget(self.max_prefill - len(plan.reqs), decode_cost, self.span)
+        budget = StepBudget(self.max_prefill - sum(plan.lens), decode_cost, self.span)
         unfinished = False  # a running request's prompt does not end in this step
         for r, d in zip(self.running, decoding):  # the request part-way through its prompt, if any
             if not d:
@@ -182,7 +187,7 @@ class Scheduler:
         self.pool.release(r.pages)
         if r.sent_pages:
             self.dropped.append(r.slot)
-        r.pages, r.keys, r.num_cached, r.sent_pages = [], [], 0, 0
+        r.pages, r.keys, r.num_cached, r.sent_pages, r.spec_cached = [], [], 0, 0, 0
 
     # ---- counting it as issued ----
 
@@ -213,19 +218,23 @@ class Scheduler:
             if not sampled:  # a prompt chunk short of the prompt's end
                 continue
             r.pending -= 1
-            out = r.out
-            if out.finish_reason:
+            if r.out.finish_reason:
                 continue
-            out.output_ids.append(tok)
             got.append(r)
-            p = out.params
-            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
-                out.finish_reason = "stop"
-            elif len(out.output_ids) >= p.max_new_tokens or r.num_tokens >= self.max_len:
-                out.finish_reason = "length"
-            if out.finish_reason:
+            if self.take_token(r, tok):
                 done.append(r)
         return got, self.retire(done)
+
+    def take_token(self, r: RequestState, tok: int) -> bool:
+        """Append `tok` to `r`'s output; True when it ends `r` (its finish_reason set)."""
+        out = r.out
+        out.output_ids.append(tok)
+        p = out.params
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            out.finish_reason = "stop"
+        elif len(out.output_ids) >= p.max_new_tokens or r.num_tokens >= self.max_len:
+            out.finish_reason = "length"
+        return out.finish_reason is not None
 
     def retire(self, reqs: list[RequestState]) -> list[RequestState]:
         for r in reqs:

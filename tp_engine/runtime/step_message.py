@@ -7,8 +7,10 @@ table to keep and the pages to append. Its size depends on the step's tokens and
 tokens the requests hold; building the step's page table is then a concatenation of arrays every rank
 already has.
 
-Layout (int64): [STEP, is_prefill, B, N, D, P, ids(N), positions(N), kv_slots(N), seq_lens(B),
-new_lens(B), slots(B), keep(B), appended(B), dropped slots(D), appended pages(P)].
+Layout (int64): [command, is_prefill, B, N, D, P, V, ids(N), positions(N), kv_slots(N), seq_lens(B),
+new_lens(B), slots(B), keep(B), appended(B), dropped slots(D), appended pages(P)]. The command is STEP
+(the target model's forward), DRAFT_FIRST or DRAFT_NEXT (a proposer's forward: speculative/drafting.py), or
+STOP. V: the leading rows that verify drafts, every token of which gets logits (others: their last token's).
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import torch
 
 from tp_engine.base.batch import Batch
 
-STOP, STEP = 0, 1
-HEAD = 6
+STOP, STEP, DRAFT_FIRST, DRAFT_NEXT = 0, 1, 2, 3
+HEAD = 7
 
 
 class PageTables:
@@ -76,11 +78,14 @@ class StepMessage:
     keep: list[int]  # [B] pages of that table that stay
     appended: list[Sequence[int]]  # [B] pages appended to it after those
     dropped: list[int]  # [D] tables deleted first: requests finished or preempted since the last message
+    verify: int = 0  # V: leading rows whose every token gets logits (a target step verifying drafts)
+    command: int = STEP  # whose forward: the target's (STEP) or the proposer's (DRAFT_FIRST, DRAFT_NEXT)
 
     def encode(self) -> torch.Tensor:
         """The int64 message (module docstring); the token rows must be lists here."""
         pages = [p for a in self.appended for p in a]
-        head = [STEP, int(self.is_prefill), len(self.seq_lens), len(self.ids), len(self.dropped), len(pages)]
+        head = [self.command, int(self.is_prefill), len(self.seq_lens), len(self.ids), len(self.dropped),
+                len(pages), self.verify]
         return torch.tensor(head + self.ids + self.positions + self.kv_slots + self.seq_lens + self.new_lens
                             + self.slots + self.keep + [len(a) for a in self.appended] + self.dropped + pages,
                             dtype=torch.int64)
@@ -88,7 +93,7 @@ class StepMessage:
     @staticmethod
     def decode(msg: torch.Tensor) -> StepMessage | None:
         """The inverse of `encode` (None for STOP): O(B + D + P) values become Python ints, no token row."""
-        cmd, is_prefill, B, N, D, P = msg[:HEAD].tolist()
+        cmd, is_prefill, B, N, D, P, V = msg[:HEAD].tolist()
         if cmd == STOP:
             return None
         vals = msg[HEAD:]
@@ -100,7 +105,7 @@ class StepMessage:
             appended.append(pages[o:o + n])
             o += n
         return StepMessage(bool(is_prefill), vals[:N], vals[N:2 * N], vals[2 * N:3 * N], seq, new_lens, slots,
-                           keep, appended, rest[5 * B:5 * B + D])
+                           keep, appended, rest[5 * B:5 * B + D], V, cmd)
 
     def to_batch(self, tables: PageTables) -> Batch:
         """Apply the page-table changes to `tables` and return the step's Batch, its token rows on the host
@@ -109,9 +114,11 @@ class StepMessage:
         for s in self.dropped:
             tables.drop(s)
         page_tables = [tables.update(s, k, a) for s, k, a in zip(self.slots, self.keep, self.appended)]
-        last = torch.from_numpy(np.cumsum(self.new_lens, dtype=np.int64) - 1)
+        ends = np.cumsum(self.new_lens, dtype=np.int64)
+        V = self.verify
+        rows = ends - 1 if not V else np.concatenate([np.arange(ends[V - 1]), ends[V:] - 1])
         return Batch(self.is_prefill, self.ids, self.positions, self.kv_slots, self.seq_lens, self.new_lens,
-                     page_tables, last)
+                     page_tables, torch.from_numpy(rows), draft=self.command - STEP)
 
 
 def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
@@ -126,11 +133,11 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     it."""
     if device.type == "cpu" or batch.input_ids.is_cuda:
         return batch
-    rows = (batch.input_ids, batch.positions, batch.out_loc, batch.last_indices)
+    rows = (batch.input_ids, batch.positions, batch.out_loc, batch.logit_rows)
     host = torch.from_numpy(np.concatenate([t.numpy() for t in rows])).pin_memory()
     dev = host.to(device, non_blocking=True)
     ids, pos, loc, last = dev.split([len(t) for t in rows])
-    return replace(batch, input_ids=ids, positions=pos, out_loc=loc, last_indices=last)
+    return replace(batch, input_ids=ids, positions=pos, out_loc=loc, logit_rows=last)
 
 
 def stop_message() -> torch.Tensor:

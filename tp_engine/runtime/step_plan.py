@@ -33,15 +33,24 @@ class Plan:
     keep: list[int] = field(default_factory=list)  # pages of its table the other ranks hold already
     ref_rows: list[int | None] = field(default_factory=list)  # None: its tokens are on the host
     is_prefill: bool = False  # a prompt row is in the step: a prefill-type forward
+    # the first `verify` rows verify drafts: each computes its newest token and `drafts[row]` after it
+    verify: int = 0
+    drafts: list[list[int]] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)  # page tables deleted first: requests ended or preempted
 
-    def add_row(self, req: RequestState, n: int) -> None:
-        """`req` computes its next `n` tokens in this step (its pages for them are taken)."""
+    def add_row(self, req: RequestState, n: int, drafts: list[int] | None = None) -> None:
+        """`req` computes its next `n` tokens in this step (its pages for them are taken); with `drafts`, a
+        row that verifies them: its newest token, then the drafts (n = 1 + len(drafts)), before any other."""
         start, sent = req.num_cached, req.sent_pages
+        if drafts is not None:
+            assert self.verify == len(self.reqs) and n == 1 + len(drafts), "verifying rows come first"
+            self.verify += 1
+            self.drafts.append(drafts)
+            self.is_prefill = True  # rows of several tokens
         self.reqs.append(req)
         self.starts.append(start)
         self.lens.append(n)
-        self.sampled.append(start + n == req.num_tokens + req.pending)  # its last token, so far
+        self.sampled.append(start + n - len(drafts or ()) == req.num_tokens + req.pending)  # its last token
         self.keep.append(sent)
         self.ref_rows.append(req.out_row if req.pending else None)
 
@@ -50,10 +59,12 @@ def step_message(plan: Plan, page_size: int) -> StepMessage:
     """The message of `plan`'s step."""
     S = page_size
     ids, pos, loc = [], [], []
-    for r, start, n, ref in zip(plan.reqs, plan.starts, plan.lens, plan.ref_rows):
+    for row, (r, start, n, ref) in enumerate(zip(plan.reqs, plan.starts, plan.lens, plan.ref_rows)):
         if ref is not None:  # a decode row whose input is still on the device
             assert n == 1, "a request with a token in flight only decodes"
             ids.append(ref_token(ref))
+        elif row < plan.verify:  # its newest token, then its drafts
+            ids += r.tokens(start, 1) + plan.drafts[row]
         else:
             ids += r.tokens(start, n)
         positions = range(start, start + n)
@@ -62,4 +73,4 @@ def step_message(plan: Plan, page_size: int) -> StepMessage:
         loc += [pages[p // S] * S + p % S for p in positions]
     return StepMessage(plan.is_prefill, ids, pos, loc, [s + n for s, n in zip(plan.starts, plan.lens)],
                        plan.lens, [r.slot for r in plan.reqs], plan.keep,
-                       [r.pages[k:] for r, k in zip(plan.reqs, plan.keep)], plan.dropped)
+                       [r.pages[k:] for r, k in zip(plan.reqs, plan.keep)], plan.dropped, plan.verify)

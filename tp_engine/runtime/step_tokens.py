@@ -25,11 +25,17 @@ class Issued:
 def sampling_inputs(plan: Plan, seed: int) -> tuple[list[SamplingParams], list[int], list[int]]:
     """Each row's sampling parameters, seed (`seed`, the config's, where its parameters name none) and step
     (the output index it samples now: read before `Scheduler.commit` counts the step's tokens as pending)."""
-    outs = [r.out for r in plan.reqs]
+    return sampling_inputs_of(plan.reqs, seed)
+
+
+def sampling_inputs_of(reqs: list[RequestState],
+                       seed: int) -> tuple[list[SamplingParams], list[int], list[int]]:
+    """`sampling_inputs` of the requests `reqs`."""
+    outs = [r.out for r in reqs]
     params = [o.params for o in outs]
     seeds = [request_seed(seed if p.seed is None else p.seed, o.index, o.sample)
              for o, p in zip(outs, params)]
-    return params, seeds, [r.num_outputs for r in plan.reqs]
+    return params, seeds, [r.num_outputs for r in reqs]
 
 
 def resolve(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None, ops=None) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""Speculative decoding end to end (config `speculative`): with each proposer (n-gram lookup, a draft model, an
+EAGLE-3 head in the published layout) greedy output equals transformers' own, at TP 1, 2 and 4; a draft that is
+the model itself has every token accepted; sampled output is reproducible and the same at every TP; logprobs,
+stop ids, lengths, n, preemption and the prefix cache behave as without speculation; a draft of another
+tokenizer or hidden size is refused by name at start-up."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, hf_generate, make_checkpoint, run_cli
+from test_eagle3 import make_head
+from tp_engine import LLM, SamplingParams
+from tp_engine.comm import StartupError
+
+NEW = 24
+# repetition in the prompts, so that n-gram lookup drafts; other tokens where it does not
+PROMPTS = [[5, 9, 13, 7, 5, 9, 13, 7, 5, 9], [100, 200, 300, 100, 200], [42] * 6, [7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The target (8 layers, as the EAGLE head's aux layers need), a smaller draft of its vocabulary and a
+    head; a target with its own kind of peaked weights gives repeated tokens the n-gram lookup can find."""
+    root = tmp_path_factory.mktemp("spec")
+    target = make_checkpoint(root / "target", vocab=512, hidden=64, layers=8)
+    draft = make_checkpoint(root / "draft", vocab=512, hidden=32, inter=64, layers=1, heads=4, kv_heads=2,
+                            head_dim=8, seed=3)
+    return {"target": target, "draft": draft, "head": make_head(root / "head", "shared")}
+
+
+def spec_of(models: dict, method: str | None, k: int = 4, adaptive: bool = False) -> dict:
+    """The `speculative` section of a run with `method` (draft_self: the target drafts for itself)."""
+    if method is None:
+        return {"method": None}
+    model = {"draft": models["draft"], "draft_self": models["target"], "eagle3": models["head"]}.get(method)
+    return {"method": "draft" if method == "draft_self" else method, "model": str(model) if model else None,
+            "num_tokens": k, "adaptive": adaptive}
+
+
+def generate(models: dict, method: str | None, sampling: dict, prompts=PROMPTS, **cfg) -> tuple[list, dict]:
+    llm = LLM(model=str(models["target"]), device="cpu", speculative=spec_of(models, method), **cfg)
+    try:
+        outs = llm.generate([{"input_ids": p} for p in prompts], SamplingParams(**sampling))
+        return outs, llm.engine.spec_summary()
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(models) -> list[list[int]]:
+    return hf_generate(models["target"], PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft_self", "eagle3"])
+def test_greedy_equals_transformers(models, hf, method):
+    """Greedy output with each proposer is transformers' greedy output, token for token."""
+    outs, counts = generate(models, method, {"max_new_tokens": NEW})
+    assert [o["output_token_ids"] for o in outs] == hf
+    assert counts["spec_share"] > 0.5  # the steps did speculate (adaptive off)
+
+
+def test_the_model_as_its_own_draft_has_every_token_accepted(models):
+    """A draft that is the target proposes what the target picks: greedy accepts every draft, and sampling
+    (p = q up to rounding) all but a rare one."""
+    _, greedy = generate(models, "draft_self", {"max_new_tokens": NEW, "ignore_eos": True})
+    assert greedy["acceptance_rate"] == 1.0 and greedy["accept_length"] > 4
+    _, sampled = generate(models, "draft_self", {"max_new_tokens": NEW, "ignore_eos": True,
+                                                 "temperature": 0.8, "top_k": 50})
+    assert sampled["acceptance_rate"] >= 0.98
+
+
+def test_sampled_runs_are_reproducible_and_keep_every_setting(models):
+    """Sampling with a draft is the same twice; n, logprobs, stop ids and lengths hold as without it."""
+    sampling = {"max_new_tokens": 13, "temperature": 0.9, "top_p": 0.9, "n": 2, "logprobs": 3, "seed": 7}
+    a, _ = generate(models, "draft", sampling)
+    b, _ = generate(models, "draft", sampling)
+    assert [o["output_token_ids"] for o in a] == [o["output_token_ids"] for o in b]
+    assert len(a) == 2 * len(PROMPTS)
+    for o in a:
+        assert len(o["logprobs"]) == len(o["output_token_ids"]) <= 13
+        assert [e["token"] for e in o["logprobs"]] == o["output_token_ids"]
+    stop = hf_stop = None
+    for out in hf_generate(models["target"], PROMPTS, NEW):
+        if len(out) > 5:
+            stop, hf_stop = out[4], out
+            break
+    greedy, _ = generate(models, "ngram", {"max_new_tokens": NEW, "stop_token_ids": [stop], "logprobs": 2})
+    plain, _ = generate(models, None, {"max_new_tokens": NEW, "stop_token_ids": [stop], "logprobs": 2})
+    assert hf_stop is not None
+    for g, p in zip(greedy, plain):
+        assert g["output_token_ids"] == p["output_token_ids"] and g["finish_reason"] == p["finish_reason"]
+        for eg, ep in zip(g["logprobs"], p["logprobs"]):
+            assert eg["token"] == ep["token"] and abs(eg["logprob"] - ep["logprob"]) < 1e-4
+            assert [t for t, _ in eg["top"]] == [t for t, _ in ep["top"]]
+
+
+def test_preemption_and_the_prefix_cache_under_speculation(models, hf):
+    """A pool too small for every request at once preempts and recomputes; prompts sharing pages read them from
+    the prefix cache; greedy output is still transformers'."""
+    prompts = PROMPTS + [PROMPTS[0] + [1, 2, 3, 4, 5, 6, 7, 8]]
+    want = hf + hf_generate(models["target"], prompts[-1:], NEW)
+    for method in ("draft", "eagle3"):
+        llm = LLM(model=str(models["target"]), device="cpu", speculative=spec_of(models, method),
+                  kv_cache={"num_pages": 12, "page_size": 4})
+        try:
+            outs = llm.generate([{"input_ids": p} for p in prompts], SamplingParams(max_new_tokens=NEW))
+            assert llm.engine.num_preempted > 0
+        finally:
+            llm.shutdown()
+        assert [o["output_token_ids"] for o in outs] == want, method
+        assert outs[-1]["cached_prompt_tokens"] > 0
+
+
+JOB = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+from tp_engine.comm import StartupError
+results = {{}}
+for name, spec in {specs!r}.items():
+    llm = LLM(model={target!r}, device="cpu", speculative=spec)
+    outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(**{sampling!r}))
+    llm.shutdown()
+    results[name] = outs and [o["output_token_ids"] for o in outs]
+if results[next(iter(results))] is not None:
+    with open({out!r}, "w") as f:
+        json.dump(results, f)
+"""
+
+
+def job(models: dict, specs: dict, sampling: dict, tp: int, tmp_path: Path) -> dict:
+    """{name: rank 0's output ids} for each `speculative` section, in one torchrun job of `tp` ranks."""
+    out = tmp_path / f"results{tp}.json"
+    script = tmp_path / f"job{tp}.py"
+    script.write_text(JOB.format(root=str(ROOT), specs=specs, target=str(models["target"]), prompts=PROMPTS,
+                                 sampling=sampling, out=str(out)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
+                           "--standalone", str(script)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_proposer_at_tp(models, hf, tp, tmp_path):
+    """At TP 2 and 4 (the draft and the head sharded like the target) greedy output is transformers', and a
+    sampled run gives the tokens it gives at TP 1."""
+    specs = {m: spec_of(models, m) for m in ("ngram", "draft", "eagle3")}
+    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_k": 40, "seed": 3}
+    specs["sampled"] = spec_of(models, "draft")
+    got = job(models, specs, {"max_new_tokens": NEW}, tp, tmp_path)
+    for m in ("ngram", "draft", "eagle3"):
+        assert got[m] == hf, m
+    at_tp = job(models, {"sampled": specs["sampled"]}, sampled, tp, tmp_path)
+    one, _ = generate(models, "draft", sampled)
+    assert at_tp["sampled"] == [o["output_token_ids"] for o in one]
+
+
+def test_bad_drafts_are_refused_by_name(models, tmp_path):
+    """A draft of another vocabulary or tokenizer, or a head whose fc does not take the target's hidden
+    size, stops the start-up with a message naming the file."""
+    other = make_checkpoint(tmp_path / "other", vocab=256, hidden=32, layers=1)
+    with pytest.raises(StartupError, match=r"other/config.json: vocab_size 256 differs from the target's 512"):
+        LLM(model=str(models["target"]), device="cpu", speculative={"method": "draft", "model": str(other)})
+    demo = ROOT / "configs" / "models" / "demo"
+    target, draft = tmp_path / "t", tmp_path / "d"
+    shutil.copytree(demo, target)
+    shutil.copytree(demo, draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(StartupError, match=r"d/tokenizer.json differs from the target's"):
+        LLM(model=str(target), device="cpu", speculative={"method": "draft", "model": str(draft)})
+    head = json.loads((models["head"] / "config.json").read_text())
+    bad = shutil.copytree(models["head"], tmp_path / "head")
+    (bad / "config.json").write_text(json.dumps({**head, "target_hidden_size": 32}))
+    with pytest.raises(StartupError, match=r"head/config.json"):
+        LLM(model=str(models["target"]), device="cpu", speculative={"method": "eagle3", "model": str(bad)})
+
+
+def test_the_summary_line_reports_acceptance(models, tmp_path):
+    """The command line's summary names the acceptance rate, the accepted length and the share of steps
+    that speculated."""
+    cfg = {"model": str(models["target"]), "prompts": [{"input_ids": p} for p in PROMPTS],
+           "sampling": {"max_new_tokens": 8}, "speculative": spec_of(models, "draft_self")}
+    proc, lines = run_cli(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
+    assert summary["acceptance_rate"] == 1.0 and summary["spec_share"] > 0.5
+    assert summary["accept_length"] > 1 and len(lines) == len(PROMPTS)
+
+
+def test_the_policy_speculates_only_where_it_pays():
+    """Per batch-size class the policy tries each draft count once, then keeps the one that gained the most
+    tokens per second, and now and then looks at a neighbour; off (adaptive false) it always drafts k."""
+    from tp_engine.speculative.policy import PROBE_EVERY, SpecPolicy
+
+    policy = SpecPolicy(3, adaptive=True)
+    # batch 1: a step of k drafts takes 1 + 0.1 k ms and gains 1 + 0.8 k tokens: speculating pays
+    # batch 64: a step of k drafts takes 1 + k ms and gains 1 + 0.1 k tokens: it does not
+    for batch, cost, gain in ((1, 0.1, 0.8), (64, 1.0, 0.1)):
+        seen = []
+        for _ in range(4 * PROBE_EVERY):
+            k = policy.choose(batch)
+            seen.append(k)
+            policy.record(batch, k, 1 + gain * k, (1 + cost * k) / 1000)
+        assert seen[:4] == [0, 1, 2, 3]  # each tried once
+        steady = seen[4:]
+        best = 3 if batch == 1 else 0
+        assert steady.count(best) >= len(steady) * 0.95, (batch, steady)
+        assert set(steady) - {best} and max(abs(k - best) for k in steady) == 1  # neighbours probed
+    assert all(SpecPolicy(3, adaptive=False).choose(b) == 3 for b in (1, 64))

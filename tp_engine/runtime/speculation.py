@@ -1,0 +1,124 @@
+"""Speculative decoding in the engine (config `speculative`): the proposer, and rank 0's choice of when to
+speculate and by how much.
+
+The proposer drafts up to k tokens for each decoding request: n-gram lookup in the request's own tokens (on
+rank 0's host, no weights), a draft model or an EAGLE-3 head (forwards on every rank: runtime/drafting.py).
+The target verifies them in one step (runtime/spec_step.py). Each step the policy (speculative/policy.py)
+chooses k from what steps of each k have gained per second at this batch size; at k = 0 the engine runs
+plain steps, overlapped with the host's work as usual. A request with an output constraint does not draft:
+it decodes as without speculation, in the same steps.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from tp_engine.attention import fuses_qkv
+from tp_engine.base.batch import Batch
+from tp_engine.runtime.drafting import Drafting
+from tp_engine.runtime.request import RequestOutput, RequestState
+from tp_engine.runtime.scheduler import Scheduler
+from tp_engine.runtime.spec_schedule import reserve_drafts
+from tp_engine.runtime.spec_step import run_verified
+from tp_engine.runtime.step_plan import Plan
+from tp_engine.sampling.constraints import has_constraint
+from tp_engine.speculative.draft_model import DraftModel
+from tp_engine.speculative.eagle import Eagle3Drafter
+from tp_engine.speculative.ngram import NgramIndex
+from tp_engine.speculative.policy import SpecPolicy
+
+
+class Speculation:
+    def __init__(self, engine) -> None:
+        """Load the proposer's weights (before the KV pool is sized, so the memory plan counts them)."""
+        cfg = engine.cfg
+        spec = self.spec = cfg["speculative"]
+        self.policy = SpecPolicy(spec["num_tokens"], spec["adaptive"])
+        self.proposer = self.drafting = None
+        if spec["method"] == "draft":
+            self.proposer = DraftModel(cfg, engine.model_cfg, engine.tp.size, engine.tp.rank, engine.dtype,
+                                       engine.device)
+        elif spec["method"] == "eagle3":
+            self.proposer = Eagle3Drafter(cfg, engine.model_cfg, engine.model, engine.dtype, engine.device)
+        self.capture = getattr(self.proposer, "capture", ())  # target layers an EAGLE head reads
+        self.ngrams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> NgramIndex
+        self._plain_since: float | None = None  # the latest plain step's start, for the policy's timing
+
+    def bytes_per_page(self, page_size: int) -> int:
+        """What the proposer keeps per KV page (its own K/V, an EAGLE head's features)."""
+        return self.proposer.bytes_per_page(page_size) if self.proposer is not None else 0
+
+    def allocate(self, engine) -> None:
+        """The proposer's caches, once the engine's KV pool is sized, and its kernels."""
+        if self.proposer is None:
+            return
+        backend = engine.cfg["attention_backend"]
+        self.proposer.bind(engine.ops, fuses_qkv(backend, engine.device, engine.ops))
+        kv = engine.kv
+        self.proposer.allocate(kv.num_pages, kv.page_size, backend, engine.max_batch, engine.ops)
+        self.drafting = Drafting(self.proposer, engine.tp, engine.max_batch, engine.device, engine.ops)
+
+    def follow(self, batch: Batch) -> None:
+        """Ranks other than 0: a drafting forward rank 0 sent."""
+        self.drafting.follow(batch)
+
+    def store(self, batch: Batch, aux: list[torch.Tensor]) -> None:
+        """After a target forward that kept the layers' inputs (`capture`): an EAGLE head's features."""
+        if aux:
+            self.proposer.store_features(batch, aux)
+
+    # ---- rank 0 ----
+
+    def choose(self, sched: Scheduler) -> int:
+        """Drafts per request for the next step (0: a plain one, as when no request decodes)."""
+        decoding = sum(r.decoding for r in sched.running)
+        return self.policy.choose(decoding) if decoding else 0
+
+    def plain_step(self, sched: Scheduler) -> None:
+        """A plain step is issued: the time since the one before goes to the policy (steps overlap, so the
+        time between two issues is one step's)."""
+        now = time.perf_counter()
+        if self._plain_since is not None:
+            self.policy.record(sum(r.decoding for r in sched.running), 0, 1.0, now - self._plain_since)
+        self._plain_since = now
+        self.policy.count(0, 0, 0)
+
+    def step(self, engine, sched: Scheduler, k: int, on_token: Callable[[RequestOutput], bool] | None,
+             on_finish: Callable[[RequestOutput], None] | None) -> Plan | None:
+        """A speculating step of up to `k` drafts a request, run to its end (no step may be in flight).
+        Returns None, or, when no request drafted anything, the plan of a plain step for the engine to
+        issue."""
+        t0 = time.perf_counter()
+        self._plain_since = None
+        decoding = sum(r.decoding for r in sched.running)
+        wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
+        if self.proposer is None:
+            drafts, qs = {r: self._ngram(r, n) for r, n in wants}, {}
+        else:
+            drafts, qs = self.drafting.propose(engine, wants, engine.cfg["max_prefill_tokens"])
+        drafts = {r: d for r, d in drafts.items() if d}
+        plan = sched.schedule(drafts)
+        if not plan.verify:
+            return plan
+        verified = run_verified(engine, sched, plan, qs, on_token, on_finish)
+        V = plan.verify
+        accepted = sum(len(v) - 1 for v in verified)
+        if getattr(self.proposer, "keeps_drafted", False):  # its K/V of accepted drafts holds
+            for r, d, v in zip(plan.reqs, plan.drafts, verified):
+                r.spec_cached += min(len(v) - 1, len(d) - 1)
+        self.policy.count(sum(len(d) for d in plan.drafts), accepted, V)
+        others = sum(1 for n in plan.lens[V:] if n == 1)  # plain decode rows (prompt rows gain no token)
+        gained = (accepted + V + others) / max(V + others, 1)
+        self.policy.record(decoding, k, gained, time.perf_counter() - t0)
+        return None
+
+    def _ngram(self, r: RequestState, k: int) -> list[int]:
+        index = self.ngrams.get(r)
+        if index is None:
+            index = self.ngrams[r] = NgramIndex((), self.spec["ngram_max"], self.spec["ngram_min"])
+        if len(index) < r.num_tokens:
+            index.extend(r.tokens(len(index), r.num_tokens - len(index)))
+        return index.propose(k)
