@@ -136,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="long_prompt: attention spans to measure each cost at, in place of the model's, "
                         "e.g. 1920,960")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
+    p.add_argument("--force-accept", type=float, default=None, metavar="L",
+                   help="with speculative.method set (--set): each verifying request takes L tokens a step "
+                        "on average, whatever the target says (random weights accept almost nothing): times "
+                        "the machinery at a published acceptance; the tokens are not the model's")
     # measuring only; the engine's own switches are config keys (--set advanced.all_reduce=nccl and the like)
     p.add_argument("--push-chunk", type=int, default=None, metavar="N",
                    help="values per program and row in the push all-reduce fused with RMSNorm (default 512; "
@@ -865,6 +869,10 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         t0 = time.perf_counter()
         engine = Engine(cfg)
     engine.cfg["max_prefill_tokens"] = args.long_chunk  # the other workloads' steps, as configured
+    if args.force_accept is not None:
+        if engine.spec is None:
+            raise SystemExit("--force-accept needs --set speculative.method=...")
+        engine.spec.forced_length = args.force_accept
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["load_s"] = round(engine.load_seconds, 2)
     wb = engine.weight_bytes()
@@ -898,6 +906,9 @@ def bench_ours(args, cfg_json: dict, options: dict, workloads: set[str], world: 
         bench_mixed(engine, args, res)
     if "n8" in workloads:
         bench_n_samples(engine, args, res)
+    if engine.spec is not None:
+        res["speculative"] = {**engine.cfg["speculative"], "forced_length": args.force_accept,
+                              **engine.spec_summary()}
     if engine.ops is not None:  # which batch-1 matmuls run the GEMV kernel, per weight shape
         res["gemv"] = {"x".join(map(str, k[0])): str(v) for k, v in gemv._GEMV_CHOICE.items()}
         # at one token

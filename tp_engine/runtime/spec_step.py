@@ -50,6 +50,8 @@ def run_verified(engine, sched: Scheduler, plan: Plan, qs: dict[RequestState, to
     ops = engine.ops
     verified = verify(logits[:R], plan.lens[:V], plan.drafts, [qs.get(r) for r in plan.reqs[:V]],
                       params[:V], seeds[:V], steps[:V], ops)
+    if engine.spec.forced_length is not None:  # launch/bench.py --force-accept: timing only, not the tokens
+        verified = engine.spec.forced(plan.drafts, verified)
     rest = tail(plan, V)
     plain = logits[R:]
     allowed = mask_step(plain, rest, None, engine.grammars)

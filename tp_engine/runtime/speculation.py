@@ -46,6 +46,10 @@ class Speculation:
         self.capture = getattr(self.proposer, "capture", ())  # target layers an EAGLE head reads
         self.ngrams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> NgramIndex
         self._plain_since: float | None = None  # the latest plain step's start, for the policy's timing
+        # launch/bench.py --force-accept: the mean tokens a verifying request takes per step, whatever the
+        # target says (random weights accept almost nothing); never set by a config
+        self.forced_length: float | None = None
+        self._credit = 0.0
 
     def bytes_per_page(self, page_size: int) -> int:
         """What the proposer keeps per KV page (its own K/V, an EAGLE head's features)."""
@@ -114,6 +118,17 @@ class Speculation:
         gained = (accepted + V + others) / max(V + others, 1)
         self.policy.record(decoding, k, gained, time.perf_counter() - t0)
         return None
+
+    def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:
+        """Each request takes its first a drafts and one more token, a chosen so that the mean of a + 1 is
+        `forced_length` (where the drafts allow): measures the machinery at a given acceptance."""
+        out = []
+        for d, v in zip(drafts, verified):
+            self._credit += self.forced_length - 1
+            a = min(int(self._credit), len(d))
+            self._credit -= a
+            out.append((d + v[-1:])[:a + 1])
+        return out
 
     def _ngram(self, r: RequestState, k: int) -> list[int]:
         index = self.ngrams.get(r)
