@@ -148,6 +148,7 @@ def job(models: dict, specs: dict, sampling: dict, tp: int, tmp_path: Path) -> d
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_proposer_at_tp(models, hf, tp, tmp_path):
     """At TP 2 and 4 (the draft and the head sharded like the target) greedy output is transformers', and a
