@@ -11,6 +11,12 @@ gives byte-identical files.
 
     python launch/train_demo_model.py                 # writes configs/models/demo/
     python launch/train_demo_model.py --out /tmp/demo --steps 200
+
+With --draft it trains a draft model for speculative decoding instead: the demo's tokenizer files,
+copied unchanged, and a smaller Qwen3 (about a fifth of the parameters) taught to predict the demo
+model's next-token distribution on the corpus. It reports how often its greedy token is the demo's.
+
+    python launch/train_demo_model.py --draft         # writes configs/models/demo-draft/
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,6 +41,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "launch" / "data" / "corpus.txt"
 DEFAULT_OUT = REPO / "configs" / "models" / "demo"
+DRAFT_OUT = REPO / "configs" / "models" / "demo-draft"
 
 VOCAB_SIZE = 2048
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -69,6 +77,8 @@ MODEL_SHAPE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+# The draft: the same heads, a narrower and shallower stack (the embedding is most of its parameters).
+DRAFT_SHAPE = dict(MODEL_SHAPE, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
 
 # Beginnings of well-known sentences; the ones the trained model continues correctly are reported.
 DEMO_CANDIDATES = [
@@ -171,14 +181,25 @@ def train_tokenizer(text: str, out: Path):
 # ---------------------------------------------------------------------------------------------- #
 # model
 # ---------------------------------------------------------------------------------------------- #
-def make_model(tokenizer):
+def copy_tokenizer(src: Path, out: Path, text: str):
+    """The target's tokenizer files, copied unchanged (a draft shares its token ids), and the corpus' ids."""
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, out / name)
+    hf = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert len(hf) == VOCAB_SIZE, len(hf)
+    return hf, hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def make_model(tokenizer, shape: dict):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen3Config(
         vocab_size=VOCAB_SIZE,
-        **MODEL_SHAPE,
+        **shape,
         hidden_act="silu",
         attention_bias=False,
         attention_dropout=0.0,
@@ -227,7 +248,9 @@ def make_batch(data: torch.Tensor, strip: dict[int, list[int]], batch: int, ctx:
 
 
 def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch: int, ctx: int,
-          peak_lr: float, seed: int, log_every: int, strip_prob: float = 0.25):
+          peak_lr: float, seed: int, log_every: int, strip_prob: float = 0.25, teacher=None):
+    """AdamW on random windows: next-token loss on the corpus, or with a teacher, the divergence of the
+    model's next-token distribution from the teacher's at every position (distillation)."""
     data = torch.tensor(ids, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -242,9 +265,14 @@ def train(model, ids: list[int], strip: dict[int, list[int]], steps: int, batch:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, peak_lr, warmup)
         window = make_batch(data, strip, batch, ctx, gen, strip_prob)
-        out = model(input_ids=window[:, :-1])
-        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
-                                                 window[:, 1:].reshape(-1))
+        logits = model(input_ids=window[:, :-1]).logits.reshape(-1, VOCAB_SIZE)
+        if teacher is None:
+            loss = torch.nn.functional.cross_entropy(logits, window[:, 1:].reshape(-1))
+        else:
+            with torch.no_grad():
+                want = teacher(input_ids=window[:, :-1]).logits.reshape(-1, VOCAB_SIZE).log_softmax(-1)
+            loss = torch.nn.functional.kl_div(logits.log_softmax(-1), want, log_target=True,
+                                              reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,6 +296,19 @@ def full_loss(model, ids: list[int], ctx: int) -> float:
         total += torch.nn.functional.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
         count += w.shape[1] - 1
     return total / count
+
+
+@torch.no_grad()
+def agreement(model, target, ids: list[int], ctx: int) -> float:
+    """Fraction of the corpus' positions (consecutive windows) where the model's greedy next token is the
+    target's."""
+    data = torch.tensor(ids, dtype=torch.long)
+    same, count = 0, 0
+    for s in range(0, len(data) - 1, ctx):
+        w = data[s:s + ctx][None]
+        same += (model(input_ids=w).logits.argmax(-1) == target(input_ids=w).logits.argmax(-1)).sum().item()
+        count += w.shape[1]
+    return same / count
 
 
 @torch.no_grad()
@@ -330,8 +371,13 @@ def save(model, tokenizer, out: Path, eot: int, im_end: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)}, "
+                         f"with --draft {DRAFT_OUT.relative_to(REPO)})")
+    ap.add_argument("--draft", action="store_true",
+                    help="train a draft model for --target (its tokenizer, a smaller Qwen3)")
+    ap.add_argument("--target", type=Path, default=DEFAULT_OUT,
+                    help=f"the model a draft is for (default: {DEFAULT_OUT.relative_to(REPO)})")
     ap.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000)")
     ap.add_argument("--batch", type=int, default=16, help="windows per step (default: 16)")
     ap.add_argument("--ctx", type=int, default=128, help="tokens per window (default: 128)")
@@ -342,22 +388,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     seed_everything(args.seed)
-    out = args.out.resolve()
+    out = (args.out or (DRAFT_OUT if args.draft else DEFAULT_OUT)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     text = read_corpus()
     print(f"corpus: {CORPUS.relative_to(REPO)}, {len(text)} characters")
 
-    tokenizer, ids = train_tokenizer(text, out)
+    target = None
+    if args.draft:
+        from transformers import Qwen3ForCausalLM
+        tokenizer, ids = copy_tokenizer(args.target.resolve(), out, text)
+        target = Qwen3ForCausalLM.from_pretrained(str(args.target.resolve()), dtype=torch.float32).eval()
+    else:
+        tokenizer, ids = train_tokenizer(text, out)
     print(f"tokenizer: {len(tokenizer)} tokens, corpus = {len(ids)} tokens")
 
-    model, eot, im_end = make_model(tokenizer)
+    shape = DRAFT_SHAPE if args.draft else MODEL_SHAPE
+    model, eot, im_end = make_model(tokenizer, shape)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen3ForCausalLM, {n_params} parameters, {json.dumps(MODEL_SHAPE)}")
+    print(f"model: Qwen3ForCausalLM, {n_params} parameters, {json.dumps(shape)}")
     loss, secs = train(model, ids, space_stripped(tokenizer), args.steps, args.batch, args.ctx, args.lr,
-                       args.seed, args.log_every)
+                       args.seed, args.log_every, teacher=target)
     corpus_loss = full_loss(model, ids, args.ctx)
     print(f"trained {args.steps} steps in {secs:.0f}s; last batch loss {loss:.4f}, "
           f"whole-corpus loss {corpus_loss:.4f}")
+    if target is not None:
+        print(f"greedy agreement with {args.target}: {agreement(model, target, ids, args.ctx):.4f}")
 
     save(model, tokenizer, out, eot, im_end)
     total = 0

@@ -8,9 +8,10 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, TP_GENERATE, run_cli, shell_lines
+from helpers import ROOT, TP_GENERATE, api_outputs, hf_generate, run_cli, shell_lines
 
 DEMO = ROOT / "configs" / "models" / "demo"
+DRAFT = ROOT / "configs" / "models" / "demo-draft"  # the demo's draft model for speculative decoding
 CORPUS = (ROOT / "launch" / "data" / "corpus.txt").read_text()
 PHRASES = ["Alice was beginning to get very tired", "'Curiouser and curiouser!' cried Alice"]
 
@@ -111,3 +112,50 @@ def test_streamer_writes_deltas_of_whole_characters():
         update = texts.update(req, "length" if t == 4 else None)
         streamer.update(update.text, final=update.finish_reason is not None)
     assert writes == ["Hel", "lo", "é", "\n"]
+
+
+def test_draft_shares_the_demo_tokenizer_and_special_ids():
+    """The draft model is a Qwen3 with the demo's tokenizer files, vocabulary size and bos/eos/pad ids
+    (drafted ids must mean the same tokens to both) and about a fifth of its parameters."""
+    from transformers import AutoTokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (DRAFT / name).read_bytes() == (DEMO / name).read_bytes(), name
+    tok = AutoTokenizer.from_pretrained(DRAFT, local_files_only=True)
+    assert tok.eos_token == "<|im_end|>" and len(tok) == 2048
+    draft, demo = ({f: json.loads((d / f).read_text()) for f in ("config.json", "generation_config.json")}
+                   for d in (DRAFT, DEMO))
+    assert draft["config.json"]["model_type"] == "qwen3"
+    for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+        assert draft["config.json"][key] == demo["config.json"][key], key
+    for gen in (draft, demo):
+        gen["generation_config.json"].pop("transformers_version")
+    assert draft["generation_config.json"] == demo["generation_config.json"]
+    sizes = [(d / "model.safetensors").stat().st_size for d in (DRAFT, DEMO)]
+    assert sizes[0] < sizes[1] / 3, sizes  # float32 weights: bytes count parameters
+
+
+def test_draft_predicts_the_demo_models_next_tokens():
+    """On four corpus passages of 120 tokens (the demo model's training windows are 128) the draft's greedy
+    next token is the demo model's at 99.8% of the positions (479 of 480 where measured); the bound
+    leaves room for other CPUs' arithmetic."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEMO, local_files_only=True)
+    starts = [CORPUS.index(s) for s in ("Alice was beginning", "Down, down, down", "'Curiouser and curiouser",
+                                        "They were indeed a queer-looking party")]
+    ids = torch.tensor([tok(CORPUS[s:s + 600], add_special_tokens=False)["input_ids"][:120] for s in starts])
+    assert ids.shape == (4, 120)
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (DRAFT, DEMO)]
+    with torch.no_grad():
+        guesses = [model(input_ids=ids).logits.argmax(-1) for model in models]
+    agree = (guesses[0] == guesses[1]).float().mean().item()
+    assert agree >= 0.95, agree
+
+
+def test_the_engine_runs_the_draft_as_transformers_does(tmp_path):
+    """The draft is a checkpoint the engine loads: its greedy tokens on a phrase are transformers'."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(DEMO, local_files_only=True)(PHRASES[0])["input_ids"]
+    lines = api_outputs({"draft": DRAFT}, [ids], {"max_new_tokens": 16}, 1, tmp_path)["draft"]
+    assert lines[0]["output_token_ids"] == hf_generate(DRAFT, [ids], 16)[0]
+    assert lines[0]["text"]
