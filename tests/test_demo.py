@@ -38,7 +38,10 @@ def test_demo_config_runs_as_the_readme_says():
     conf = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     commands = [shlex.split(line) for line in shell_lines((ROOT / "README.md").read_text())
                 if "configs/demo.yaml" in line]
+    speculating = [c for c in commands if "speculative.method=draft" in c]  # the draft model's run
+    commands = [c for c in commands if c not in speculating]
     assert sorted(c[0] for c in commands) == ["torchrun", "tp-generate"], commands
+    assert [c[0] for c in speculating] == ["tp-generate"], speculating
     # the installed tp-generate as this interpreter runs it; torchrun on a port of its own
     launchers = {"tp-generate": TP_GENERATE,
                  "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"]}
@@ -53,6 +56,14 @@ def test_demo_config_runs_as_the_readme_says():
     assert len(lines) == len(conf["prompts"])
     assert words(conf["prompts"][0] + lines[0]["text"]) in words(CORPUS)
     assert stdout["tp-generate"] == stdout["torchrun"]
+    # with the draft model: the same lines, and the drafts accepted (it agrees with the model on 99%); how
+    # many it drafts at a time follows the step times the adaptive policy measures, so that is not checked
+    proc = subprocess.run([*launchers["tp-generate"], *speculating[0][1:]], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == stdout["tp-generate"]
+    summary = json.loads(proc.stderr.split("summary: ")[1].splitlines()[0])
+    assert summary["acceptance_rate"] > 0.9 and summary["accept_length"] > 1, summary
 
 
 @pytest.mark.slow
