@@ -32,7 +32,7 @@ from typing import Any
 
 from tp_engine.base.textio import read_json_object
 from tp_engine.checkpoint.model_config import ModelConfig
-from tp_engine.checkpoint.model_config_checks import ModelError, check_field_types
+from tp_engine.checkpoint.model_config_checks import ModelError, check_field_types, check_heads_split
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"
@@ -98,13 +98,7 @@ class Eagle3Config:
 
     def check_tp(self, tp: int) -> None:
         """Fail early, naming the numbers, when the head's layer cannot be split across `tp` ranks."""
-        if self.num_heads % tp:
-            raise ModelError(f"{self.source}: cannot split num_attention_heads={self.num_heads} across "
-                             f"tensor-parallel size {tp}: it must divide evenly")
-        kv = self.num_kv_heads
-        if kv % tp and tp % kv:
-            raise ModelError(f"{self.source}: cannot split num_key_value_heads={kv} across tensor-parallel "
-                             f"size {tp}: need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
+        check_heads_split(self.num_heads, self.num_kv_heads, tp, f"{self.source}: ")
         if self.intermediate_size % tp:
             raise ModelError(f"{self.source}: cannot split intermediate_size={self.intermediate_size} across "
                              f"tensor-parallel size {tp}: it must divide evenly")

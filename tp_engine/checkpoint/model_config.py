@@ -10,7 +10,8 @@ from typing import Any
 
 from tp_engine.base.textio import read_json_object
 
-from tp_engine.checkpoint.model_config_checks import ModelError, check_eos, check_field_types
+from tp_engine.checkpoint.model_config_checks import (ModelError, check_eos, check_field_types,
+                                                     check_heads_split)
 from tp_engine.checkpoint.quant import QuantConfig
 
 
@@ -135,13 +136,7 @@ class ModelConfig:
 
     def check_tp(self, tp: int) -> None:
         """Fail early, naming the numbers, when the heads cannot be split across `tp` ranks."""
-        if self.num_heads % tp:
-            raise ModelError(f"cannot split num_attention_heads={self.num_heads} across tensor-parallel size "
-                             f"{tp}: it must divide evenly")
-        kv = self.num_kv_heads
-        if kv % tp and tp % kv:
-            raise ModelError(f"cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
-                             f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
+        check_heads_split(self.num_heads, self.num_kv_heads, tp)
         # each inner size must split only where a layer uses it (transformers runs the others as it does)
         sparse = [self.moe is not None and self.moe.is_sparse(i) for i in range(self.num_layers)]
         if not all(sparse) and self.intermediate_size % tp:

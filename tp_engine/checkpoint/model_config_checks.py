@@ -65,6 +65,17 @@ def check_field_types(raw: Any, where: str) -> None:
     check_eos(raw, where)
 
 
+def check_heads_split(num_heads: int, kv: int, tp: int, lead: str = "") -> None:
+    """The attention heads split across `tp` ranks, the KV heads split or replicated; else a ModelError that
+    names the numbers (after `lead`, say the config file)."""
+    if num_heads % tp:
+        raise ModelError(f"{lead}cannot split num_attention_heads={num_heads} across tensor-parallel size "
+                         f"{tp}: it must divide evenly")
+    if kv % tp and tp % kv:
+        raise ModelError(f"{lead}cannot split num_key_value_heads={kv} across tensor-parallel size {tp}: "
+                         f"need {kv} % {tp} == 0 (split) or {tp} % {kv} == 0 (replicate)")
+
+
 def check_eos(raw: dict, where: str) -> None:
     eos = raw.get("eos_token_id")
     if eos is not None and not (_is_int(eos) and eos >= 0) and \
