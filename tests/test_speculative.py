@@ -220,3 +220,25 @@ def test_the_policy_speculates_only_where_it_pays():
         assert steady.count(best) >= len(steady) * 0.95, (batch, steady)
         assert set(steady) - {best} and max(abs(k - best) for k in steady) == 1  # neighbours probed
     assert all(SpecPolicy(3, adaptive=False).choose(b) == 3 for b in (1, 64))
+
+
+def test_constrained_requests_decode_beside_speculating_ones():
+    """A request with an output constraint shares the speculating steps without drafting: its output is the
+    one it has without speculation, and the others' too."""
+    demo = ROOT / "configs" / "models"
+    prompts = ["Alice was beginning to get very tired",
+               {"prompt": "Down, down, down. Would the fall", "sampling": {"regex": "[a-z ]{3,12}[.]"}},
+               {"prompt": "'Curiouser and curiouser!' cried Alice",
+                "sampling": {"choice": ["yes", "no way"]}}]
+    outs = {}
+    for method in (None, "draft"):
+        spec = {"method": method, "model": str(demo / "demo-draft") if method else None, "adaptive": False}
+        llm = LLM(model=str(demo / "demo"), device="cpu", speculative=spec)
+        try:
+            outs[method] = llm.generate(prompts, SamplingParams(max_new_tokens=30))
+            counts = llm.engine.spec_summary()
+        finally:
+            llm.shutdown()
+    assert [o["output_token_ids"] for o in outs["draft"]] == [o["output_token_ids"] for o in outs[None]]
+    assert [o["constraint"] for o in outs["draft"][1:]] == ["complete", "complete"]
+    assert counts["spec_share"] > 0.5 and counts["acceptance_rate"] > 0.9

@@ -149,7 +149,7 @@ class Engine:
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it says stop."""
         self.tables.clear()
-        with self._shared_step():
+        with self.shared_step():
             while (batch := decode_message(comm.broadcast_ints(None, self.tp), self.tables)) is not None:
                 if batch.draft:  # a proposer's forward (runtime/drafting.py)
                     self.spec.follow(batch)
@@ -166,7 +166,7 @@ class Engine:
                                "start a new job")
 
     @contextlib.contextmanager
-    def _shared_step(self):
+    def shared_step(self):
         """Work that involves the other ranks: a failure inside it leaves them in an unknown state."""
         try:
             yield
@@ -209,8 +209,7 @@ class Engine:
                         inflight = None
                         if not sched.has_work():
                             break
-                    with self._shared_step():
-                        plan = self.spec.step(self, sched, k, on_token, on_finish)
+                    plan = self.spec.step(self, sched, k, on_token, on_finish)
                     if plan is None:
                         continue
                 elif self.spec is not None:
@@ -221,7 +220,7 @@ class Engine:
                     raise RuntimeError("scheduler found no step to run")
                 issued = None
                 if plan.reqs:
-                    with self._shared_step():
+                    with self.shared_step():
                         issued = self.issue(sched, plan, inflight)
                 if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
                     self.take_tokens(sched, inflight, on_token, on_finish)
@@ -237,7 +236,7 @@ class Engine:
 
     def release_followers(self) -> None:
         if self.tp.size > 1:
-            with self._shared_step():
+            with self.shared_step():
                 comm.broadcast_ints(stop_message(), self.tp)
 
     def issue(self, sched: Scheduler, plan: Plan, previous: Issued | None = None) -> Issued:

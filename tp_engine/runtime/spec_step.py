@@ -11,19 +11,19 @@ plain steps do, and shares every row's last token with the other ranks.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from tp_engine import comm
-from tp_engine.runtime.constrained import follow_tokens, mark_finished, mask_step
+from tp_engine.runtime.constrained import mark_finished, mask_step
 from tp_engine.runtime.request import RequestOutput, RequestState
 from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.spec_schedule import update_verified
 from tp_engine.runtime.step_message import decode_message
 from tp_engine.runtime.step_plan import Plan, step_message
-from tp_engine.runtime.step_tokens import Issued, add_logprobs, sampling_inputs
+from tp_engine.runtime.step_tokens import Issued, sampling_inputs
 from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.sampling.speculative import verify
 
@@ -35,11 +35,19 @@ def tail(plan: Plan, start: int) -> Plan:
                    verify=0, drafts=[])
 
 
-def run_verified(engine, sched: Scheduler, plan: Plan, qs: dict[RequestState, torch.Tensor | None],
-                 on_token: Callable[[RequestOutput], bool] | None,
-                 on_finish: Callable[[RequestOutput], None] | None) -> list[list[int]]:
-    """Issue `plan` (its first `plan.verify` rows verify drafts), wait for its tokens and give them to the
-    requests and the callbacks. Returns each verifying row's tokens (accepted drafts, then the target's)."""
+@dataclass
+class Verified:
+    """A verifying step's outcome on rank 0, before the requests take it."""
+    plan: Plan
+    tokens: list[list[int]]  # each verifying row's: its accepted drafts, then the target's token
+    logprobs: list[list[dict]] | None  # their entries, for the requests that asked
+    rest: Issued  # the plain rows, as a plain step's (their tokens and logprobs on the host)
+
+
+def issue_verified(engine, sched: Scheduler, plan: Plan,
+                   qs: dict[RequestState, torch.Tensor | None]) -> Verified:
+    """Run `plan` (its first `plan.verify` rows verify drafts) on every rank and decide its tokens: the work
+    the ranks share. `qs`: the probabilities each sampled request's drafts were drawn from."""
     V = plan.verify
     params, seeds, steps = sampling_inputs(plan, engine.cfg["seed"])  # before commit counts the step
     message = step_message(plan, sched.page_size)
@@ -52,35 +60,30 @@ def run_verified(engine, sched: Scheduler, plan: Plan, qs: dict[RequestState, to
                       params[:V], seeds[:V], steps[:V], ops)
     if engine.spec.forced_length is not None:  # launch/bench.py --force-accept: timing only, not the tokens
         verified = engine.spec.forced(plan.drafts, verified)
-    rest = tail(plan, V)
-    plain = logits[R:]
-    allowed = mask_step(plain, rest, None, engine.grammars)
-    tokens = sample(allowed, params[V:], seeds[V:], steps[V:], ops) if len(rest.reqs) else None
-    last = [t[-1] for t in verified]
-    shared = torch.tensor(last, dtype=torch.int64, device=logits.device)
-    if tokens is not None:
-        shared = torch.cat([shared, tokens])
-    engine.share_tokens(shared, len(plan.reqs))
-    entries = _verified_logprobs(plan, logits, verified, params, ops)
-    got, done = update_verified(sched, plan, verified, on_token, entries)
+    rest, plain = tail(plan, V), logits[R:]
+    tokens = torch.zeros(0, dtype=torch.int64, device=logits.device)
+    logprobs: tuple = ()
     if rest.reqs:
+        tokens = sample(mask_step(plain, rest, None, engine.grammars), params[V:], seeds[V:], steps[V:], ops)
         k = max(p.logprobs for p in params[V:])
         logprobs = token_logprobs(plain, tokens, k, ops) if k else ()
-        step = Issued(rest, tokens.cpu(), None, tuple(t.cpu() for t in logprobs))
-        more, ended = sched.update(rest, step.tokens.tolist())
-        add_logprobs(step, more)
-        ended += follow_tokens(sched, more)
-        if on_token is not None:
-            hit = [r for r in more if on_token(r.out)]
-            for r in hit:
-                r.out.finish_reason = "stop"
-            ended += sched.retire([r for r in hit if r not in ended])
-        done += ended
+    last = torch.tensor([t[-1] for t in verified], dtype=torch.int64, device=logits.device)
+    engine.share_tokens(torch.cat([last, tokens]), len(plan.reqs))  # each row's newest token
+    entries = _verified_logprobs(plan, logits, verified, params, ops)
+    rest_step = Issued(rest, tokens.cpu(), None, tuple(t.cpu() for t in logprobs))
+    return Verified(plan, verified, entries, rest_step)
+
+
+def take_verified(engine, sched: Scheduler, v: Verified, on_token: Callable[[RequestOutput], bool] | None,
+                  on_finish: Callable[[RequestOutput], None] | None) -> None:
+    """Give a verifying step's tokens to the requests and the callbacks (rank 0's host alone)."""
+    _, done = update_verified(sched, v.plan, v.tokens, on_token, v.logprobs)
     for r in done:
         mark_finished(r)
         if on_finish is not None:
             on_finish(r.out)
-    return verified
+    if v.rest.plan.reqs:
+        engine.take_tokens(sched, v.rest, on_token, on_finish)
 
 
 def _verified_logprobs(plan: Plan, logits: torch.Tensor, verified: list[list[int]], params: list,

@@ -22,7 +22,7 @@ from tp_engine.runtime.drafting import Drafting
 from tp_engine.runtime.request import RequestOutput, RequestState
 from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.spec_schedule import reserve_drafts
-from tp_engine.runtime.spec_step import run_verified
+from tp_engine.runtime.spec_step import issue_verified, take_verified
 from tp_engine.runtime.step_plan import Plan
 from tp_engine.sampling.constraints import has_constraint
 from tp_engine.speculative.draft_model import DraftModel
@@ -98,17 +98,19 @@ class Speculation:
         t0 = time.perf_counter()
         self._plain_since = None
         decoding = sum(r.decoding for r in sched.running)
-        wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
-        if self.proposer is None:
-            drafts, qs = {r: self._ngram(r, n) for r, n in wants}, {}
-        else:
-            drafts, qs = self.drafting.propose(engine, wants, engine.cfg["max_prefill_tokens"])
-        drafts = {r: d for r, d in drafts.items() if d}
-        plan = sched.schedule(drafts)
-        if not plan.verify:
-            return plan
-        verified = run_verified(engine, sched, plan, qs, on_token, on_finish)
-        V = plan.verify
+        with engine.shared_step():  # the ranks run the drafting and the verifying forwards together
+            wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
+            if self.proposer is None:
+                drafts, qs = {r: self._ngram(r, n) for r, n in wants}, {}
+            else:
+                drafts, qs = self.drafting.propose(engine, wants, engine.cfg["max_prefill_tokens"])
+            drafts = {r: d for r, d in drafts.items() if d}
+            plan = sched.schedule(drafts)
+            if not plan.verify:
+                return plan
+            outcome = issue_verified(engine, sched, plan, qs)
+        take_verified(engine, sched, outcome, on_token, on_finish)
+        verified, V = outcome.tokens, plan.verify
         accepted = sum(len(v) - 1 for v in verified)
         if getattr(self.proposer, "keeps_drafted", False):  # its K/V of accepted drafts holds
             for r, d, v in zip(plan.reqs, plan.drafts, verified):
