@@ -124,9 +124,9 @@ sys.path.insert(0, {root!r})
 from tp_engine import LLM, SamplingParams
 from tp_engine.comm import StartupError
 results = {{}}
-for name, spec in {specs!r}.items():
+for name, (spec, sampling) in {runs!r}.items():
     llm = LLM(model={target!r}, device="cpu", speculative=spec)
-    outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(**{sampling!r}))
+    outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(**sampling))
     llm.shutdown()
     results[name] = outs and [o["output_token_ids"] for o in outs]
 if results[next(iter(results))] is not None:
@@ -135,12 +135,13 @@ if results[next(iter(results))] is not None:
 """
 
 
-def job(models: dict, specs: dict, sampling: dict, tp: int, tmp_path: Path) -> dict:
-    """{name: rank 0's output ids} for each `speculative` section, in one torchrun job of `tp` ranks."""
+def job(models: dict, runs: dict, tp: int, tmp_path: Path) -> dict:
+    """{name: rank 0's output ids} for each run (a `speculative` section and the sampling keys), in one
+    torchrun job of `tp` ranks."""
     out = tmp_path / f"results{tp}.json"
     script = tmp_path / f"job{tp}.py"
-    script.write_text(JOB.format(root=str(ROOT), specs=specs, target=str(models["target"]), prompts=PROMPTS,
-                                 sampling=sampling, out=str(out)))
+    script.write_text(JOB.format(root=str(ROOT), runs=runs, target=str(models["target"]), prompts=PROMPTS,
+                                 out=str(out)))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
                            "--standalone", str(script)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -153,15 +154,15 @@ def job(models: dict, specs: dict, sampling: dict, tp: int, tmp_path: Path) -> d
 def test_every_proposer_at_tp(models, hf, tp, tmp_path):
     """At TP 2 and 4 (the draft and the head sharded like the target) greedy output is transformers', and a
     sampled run gives the tokens it gives at TP 1."""
-    specs = {m: spec_of(models, m) for m in ("ngram", "draft", "eagle3")}
+    greedy = {"max_new_tokens": NEW}
     sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_k": 40, "seed": 3}
-    specs["sampled"] = spec_of(models, "draft")
-    got = job(models, specs, {"max_new_tokens": NEW}, tp, tmp_path)
+    runs = {m: (spec_of(models, m), greedy) for m in ("ngram", "draft", "eagle3")}
+    runs["sampled"] = (spec_of(models, "draft"), sampled)
+    got = job(models, runs, tp, tmp_path)
     for m in ("ngram", "draft", "eagle3"):
         assert got[m] == hf, m
-    at_tp = job(models, {"sampled": specs["sampled"]}, sampled, tp, tmp_path)
     one, _ = generate(models, "draft", sampled)
-    assert at_tp["sampled"] == [o["output_token_ids"] for o in one]
+    assert got["sampled"] == [o["output_token_ids"] for o in one]
 
 
 def test_bad_drafts_are_refused_by_name(models, tmp_path):
@@ -242,3 +243,22 @@ def test_constrained_requests_decode_beside_speculating_ones():
     assert [o["output_token_ids"] for o in outs["draft"]] == [o["output_token_ids"] for o in outs[None]]
     assert [o["constraint"] for o in outs["draft"][1:]] == ["complete", "complete"]
     assert counts["spec_share"] > 0.5 and counts["acceptance_rate"] > 0.9
+
+
+def test_stop_strings_end_where_they_end_without_speculation():
+    """Tokens a verifying step accepts go in one at a time, so a stop string inside them ends the request at
+    the same token, with the same text, as plain decoding."""
+    demo = ROOT / "configs" / "models"
+    prompts = ["Alice was beginning to get very tired", "Down, down, down. Would the fall"]
+    outs = {}
+    for method in (None, "draft"):
+        spec = {"method": method, "model": str(demo / "demo-draft") if method else None, "adaptive": False}
+        llm = LLM(model=str(demo / "demo"), device="cpu", speculative=spec)
+        try:
+            outs[method] = llm.generate(prompts, SamplingParams(max_new_tokens=40, stop=["her", "thing"]))
+        finally:
+            llm.shutdown()
+    for a, b in zip(outs["draft"], outs[None]):
+        assert (a["output_token_ids"], a["text"], a["finish_reason"]) == \
+            (b["output_token_ids"], b["text"], b["finish_reason"])
+    assert all(o["finish_reason"] == "stop" for o in outs[None])
