@@ -213,7 +213,7 @@ class Engine:
                     if plan is None:
                         continue
                 elif self.spec is not None:
-                    self.spec.plain_step(sched)
+                    self.spec.plain_step()
                 plan = plan or sched.schedule()
                 if not plan.reqs and inflight is None:
                     # a bug, not a user error: never spin

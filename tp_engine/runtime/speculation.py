@@ -46,6 +46,7 @@ class Speculation:
         self.capture = getattr(self.proposer, "capture", ())  # target layers an EAGLE head reads
         self.ngrams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> NgramIndex
         self._plain_since: float | None = None  # the latest plain step's start, for the policy's timing
+        self._decoding = 0  # decoding requests when `choose` last looked
         # launch/bench.py --force-accept: the mean tokens a verifying request takes per step, whatever the
         # target says (random weights accept almost nothing); never set by a config
         self.forced_length: float | None = None
@@ -78,15 +79,15 @@ class Speculation:
 
     def choose(self, sched: Scheduler) -> int:
         """Drafts per request for the next step (0: a plain one, as when no request decodes)."""
-        decoding = sum(r.decoding for r in sched.running)
+        self._decoding = decoding = sum(r.decoding for r in sched.running)
         return self.policy.choose(decoding) if decoding else 0
 
-    def plain_step(self, sched: Scheduler) -> None:
-        """A plain step is issued: the time since the one before goes to the policy (steps overlap, so the
-        time between two issues is one step's)."""
+    def plain_step(self) -> None:
+        """A plain step is issued (after `choose` said 0): the time since the one before goes to the policy
+        (steps overlap, so the time between two issues is one step's)."""
         now = time.perf_counter()
         if self._plain_since is not None:
-            self.policy.record(sum(r.decoding for r in sched.running), 0, 1.0, now - self._plain_since)
+            self.policy.record(self._decoding, 0, 1.0, now - self._plain_since)
         self._plain_since = now
         self.policy.count(0, 0, 0)
 
@@ -97,7 +98,7 @@ class Speculation:
         issue."""
         t0 = time.perf_counter()
         self._plain_since = None
-        decoding = sum(r.decoding for r in sched.running)
+        decoding = self._decoding
         with engine.shared_step():  # the ranks run the drafting and the verifying forwards together
             wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
             if self.proposer is None:
