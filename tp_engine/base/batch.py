@@ -37,7 +37,9 @@ class Batch:
     # a request that verifies drafts (step_message.StepMessage.verify)
     logit_rows: torch.Tensor
     plan: dict[str, Any] = field(default_factory=dict)  # what the attention backend prepared for this batch
-    draft: int = 0  # 0: the target model's step; 1, 2: a proposer's first and next forwards (drafting.py)
+    # 0: the target model's step; else a proposer's forward: 1 its first of a step (catching up on the
+    # requests' tokens), 2 a next one (inputs: the tokens the forward before drew); runtime/drafting.py
+    draft: int = 0
 
     @property
     def size(self) -> int:

@@ -17,7 +17,8 @@ import torch
 from tp_engine import comm
 from tp_engine.base.batch import Batch
 from tp_engine.runtime.request import RequestState
-from tp_engine.runtime.step_message import DRAFT_FIRST, DRAFT_NEXT, StepMessage, decode_message, on_device
+from tp_engine.runtime.step_message import (DRAFT_FIRST, DRAFT_NEXT, STEP, StepMessage, decode_message,
+                                            on_device)
 from tp_engine.runtime.step_plan import ref_token
 from tp_engine.runtime.step_tokens import resolve, sampling_inputs_of
 from tp_engine.sampling.sampler import GREEDY_BELOW
@@ -36,7 +37,7 @@ class Drafting:
         """One drafting forward (every rank); logits of each row's last position on rank 0."""
         batch = on_device(batch, self.device)
         refs = None
-        if batch.draft == DRAFT_NEXT - DRAFT_FIRST + 1:  # inputs: the tokens the forward before drew
+        if batch.draft == DRAFT_NEXT - STEP:  # its inputs: the tokens the forward before drew
             refs = (-1 - batch.input_ids).clamp(min=0)
             resolve(batch.input_ids, self.last, ops=self.ops)
         return self.proposer.forward(batch, refs)
