@@ -262,3 +262,41 @@ def test_stop_strings_end_where_they_end_without_speculation():
         assert (a["output_token_ids"], a["text"], a["finish_reason"]) == \
             (b["output_token_ids"], b["text"], b["finish_reason"])
     assert all(o["finish_reason"] == "stop" for o in outs[None])
+
+
+DP_JOB = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tp_engine import LLM, SamplingParams
+llm = LLM(model={target!r}, device="cpu", tensor_parallel_size=1, speculative={spec!r})
+outs = llm.generate([{{"input_ids": p}} for p in {prompts!r}], SamplingParams(max_new_tokens={new}))
+if outs is not None:
+    with open({out!r}, "w") as f:
+        json.dump({{"ids": [o["output_token_ids"] for o in outs],
+                   "counts": llm.engine.spec.policy.counts.fields()}}, f)
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_count_every_replicas_drafts(models, hf, tmp_path):
+    """Two data-parallel replicas speculate each on its share; the counts the summary reports are the sum of
+    both, the same as one engine's over the whole job (the model drafting for itself, greedy, k fixed)."""
+    spec = spec_of(models, "draft_self")
+    script, out = tmp_path / "dp.py", tmp_path / "dp.json"
+    script.write_text(DP_JOB.format(root=str(ROOT), target=str(models["target"]), spec=spec, prompts=PROMPTS,
+                                    new=NEW, out=str(out)))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    proc = subprocess.run([*launch, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["ids"] == hf
+    llm = LLM(model=str(models["target"]), device="cpu", speculative=spec)
+    try:
+        llm.generate([{"input_ids": p} for p in PROMPTS], SamplingParams(max_new_tokens=NEW))
+        alone = llm.engine.spec.policy.counts.fields()
+    finally:
+        llm.shutdown()
+    for name in ("drafted", "accepted", "verified_rows"):
+        assert got["counts"][name] == alone[name], (name, got["counts"], alone)

@@ -62,6 +62,7 @@ class Coordinator:
         self.finished: deque[RequestOutput] = deque()  # for on_done, on the main thread
         self.done: list[int] = []  # the leaders (global ranks) that have done their share
         self.preempted = 0  # requests the other replicas recomputed
+        self.spec: dict[str, int] = {}  # their speculative decoding's counts (speculative/policy.SpecCounts)
         self.error: str | None = None  # the serving thread's failure
         self.aborted: str | None = None  # the main thread's
         self.lock = threading.Condition()
@@ -155,8 +156,9 @@ class Coordinator:
 
     def _serve(self, replica: int) -> None:
         """Answer a replica's leader until it has done its share: ("work", n, results) gets ("grant",
-        requests, no more to come) at once; ("done", preempted, results) gets its answer at the end of the
-        call (wait); ("failed", why) ends the call. After an abort, each gets ("abort", why)."""
+        requests, no more to come) at once; ("done", preempted, speculation's counts, results) gets its answer
+        at the end of the call (wait); ("failed", why) ends the call. After an abort, each gets ("abort",
+        why)."""
         src, msg = self.dp.leader_of(replica), ("work",)
         try:
             while msg[0] == "work":
@@ -174,6 +176,8 @@ class Coordinator:
                     elif msg[0] == "done":
                         self.done.append(src)
                         self.preempted += msg[1]
+                        for name, n in msg[2].items():
+                            self.spec[name] = self.spec.get(name, 0) + n
                     if self.aborted is not None and msg[0] != "failed":
                         reply = ("abort", self.aborted)
                     self.lock.notify_all()

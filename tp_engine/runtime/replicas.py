@@ -52,6 +52,8 @@ def run_share(engine, dp: DPGroup, check_token: Callable[[RequestOutput], bool] 
     the end of the call and tell this replica's other ranks how it ended."""
     feed = LeaderFeed(dp)
     status = ABORT
+    counts = engine.spec.policy.counts if engine.spec is not None else None
+    before = counts.fields() if counts is not None else {}
     try:
         try:
             engine.run(feed, check_token, feed.finished)
@@ -63,7 +65,8 @@ def run_share(engine, dp: DPGroup, check_token: Callable[[RequestOutput], bool] 
                 except RuntimeError:  # rank 0 is gone too: the launcher ends the job
                     pass
             raise
-        feed._ask(("done", engine.num_preempted, feed.results), wait=False)
+        spec = {k: n - before[k] for k, n in counts.fields().items()} if counts is not None else {}
+        feed._ask(("done", engine.num_preempted, spec, feed.results), wait=False)
         status = OVER
     finally:
         if engine.broken is None:  # else the other ranks are stuck in a step, or gone: they fail on their own
@@ -95,6 +98,8 @@ def run_job(engine, dp: DPGroup, requests: Iterator[RequestOutput],
         engine.run(coordinator, check_token, finish)
         coordinator.wait()
         engine.sched.num_preempted += coordinator.preempted  # the summary counts every replica's
+        if engine.spec is not None:
+            engine.spec.policy.counts.add(coordinator.spec)
     except BaseException as e:
         coordinator.abort(f"{type(e).__name__}: {e}")
         # the other replicas go on until their next message: this engine cannot meet them in step again

@@ -12,7 +12,7 @@ neighbour of its choice once, so it follows the text as acceptance drifts, at a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 PROBE_EVERY = 64
 WEIGHT = 0.25  # of a new step in a running average
@@ -26,6 +26,14 @@ class SpecCounts:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
     verified_rows: int = 0  # request rows that verified drafts
+
+    def fields(self) -> dict[str, int]:
+        return asdict(self)
+
+    def add(self, other: dict[str, int]) -> None:
+        """Count in another replica's steps (the summary covers every replica of a data-parallel job)."""
+        for name, n in other.items():
+            setattr(self, name, getattr(self, name) + n)
 
     def summary(self) -> dict:
         """`acceptance_rate` (accepted / drafted), `accept_length` (tokens a verifying request gained per
