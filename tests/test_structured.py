@@ -271,3 +271,31 @@ def test_a_first_token_that_may_open_a_think_block_is_allowed_beside_the_grammar
         m.catch_up([5])  # not <think>: the grammar from here on
         m.fill(bitmask, 1)
         assert not bitmask[1].any() and m.active and m.think_end is None
+
+
+def test_a_large_batch_fills_its_masks_in_one_call_as_row_by_row(llm):
+    """From BATCH_FILL constrained rows on, one xgrammar call over its threads fills the step's masks: the
+    same bits as one matcher at a time, each of the four kinds at several places in its grammar, a first
+    token that may open a think block included."""
+    from tp_engine.sampling.constraints import BATCH_FILL
+
+    grammars = llm.engine.grammars
+    rows = []
+    for kind, value in CONSTRAINTS.items():
+        for steps in range(3):  # at the grammar's start, and after one and two tokens it allows
+            opening = kind == "choice" and steps == 0
+            m = grammars.matcher(SamplingParams(**{kind: value}), *((7, 63) if opening else ()))
+            taken: list[int] = []
+            for _ in range(steps):
+                allowed = grammars.bitmask(1)
+                m.fill(allowed, 0)
+                taken.append(next(t for t in range(2048) if (int(allowed[0, t // 32]) >> (t % 32)) & 1))
+                m.catch_up(taken)
+            rows.append(m)
+    assert len(rows) >= BATCH_FILL
+    one, batch = grammars.bitmask(len(rows) + 1), grammars.bitmask(len(rows) + 1)
+    for i, m in enumerate(rows):
+        m.fill(one, i + 1)
+    grammars.fill(batch, [(i + 1, m) for i, m in enumerate(rows)])
+    assert torch.equal(one, batch)
+    assert len({tuple(r.tolist()) for r in one[1:]}) > len(CONSTRAINTS)  # rows differ: a wrong row would show

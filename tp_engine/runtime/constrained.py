@@ -30,7 +30,7 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
         raise RuntimeError("this engine was built without a grammar compiler (Grammars)")
     in_flight = None
     bitmask = grammars.bitmask(len(plan.reqs))
-    masked = False
+    active = []  # (row, matcher) of the rows whose next token the grammar decides
     for i in rows:
         r = plan.reqs[i]
         if r.matcher is None:
@@ -44,9 +44,11 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
             pending = in_flight[plan.ref_rows[i]]
         r.matcher.catch_up(r.out.output_ids, pending)
         if r.matcher.active:  # else free text (a think block) or a token the request drops
-            r.matcher.fill(bitmask, i)
-            masked = True
-    return mask_logits(logits, bitmask) if masked else logits
+            active.append((i, r.matcher))
+    if not active:
+        return logits
+    grammars.fill(bitmask, active)
+    return mask_logits(logits, bitmask)
 
 
 def follow_tokens(sched: Scheduler, got: list[RequestState]) -> list[RequestState]:

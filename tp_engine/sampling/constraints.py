@@ -17,6 +17,7 @@ from tp_engine.base.config_checks import CONSTRAINT_KEYS
 
 # xgrammar's messages start with a time and a source position: "[22:00:32] /project/cpp/x.cc:94: "
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+BATCH_FILL = 8  # constrained rows from which a step's masks are filled in one call, on xgrammar's threads
 
 
 class ConstraintError(ValueError):
@@ -55,6 +56,7 @@ class Grammars:
         self._tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
         self._compiler = None
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._batch = None  # xgrammar's BatchGrammarMatcher: the masks of a large batch on several threads
 
     def _compiler_for(self, kind: str):
         if self._compiler is None:
@@ -93,6 +95,20 @@ class Grammars:
         with `think_open` too, only if the first output token is that one)."""
         import xgrammar
         return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end, think_open)
+
+    def fill(self, bitmask: torch.Tensor, rows: list[tuple[int, "Matcher"]]) -> None:
+        """Each (row, matcher)'s allowed tokens into `bitmask`: one call over all of them for a batch of at
+        least BATCH_FILL rows, which xgrammar spreads over its threads (half the cores), else row by row."""
+        if len(rows) < BATCH_FILL:
+            for row, m in rows:
+                m.fill(bitmask, row)
+            return
+        if self._batch is None:
+            import xgrammar
+            self._batch = xgrammar.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([m.m for _, m in rows], bitmask, [row for row, _ in rows])
+        for row, m in rows:
+            m.allow_opening(bitmask, row)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """[rows, vocab / 32] int32, every token allowed."""
@@ -145,7 +161,11 @@ class Matcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
-        if self.think_open is not None:  # the first token may open a think block too
+        self.allow_opening(bitmask, row)
+
+    def allow_opening(self, bitmask: torch.Tensor, row: int) -> None:
+        """The first token may open a think block too, beside what the grammar allows."""
+        if self.think_open is not None:
             word, bit = divmod(self.think_open, 32)
             bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32 words
 
