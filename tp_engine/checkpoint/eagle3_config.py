@@ -155,13 +155,15 @@ def _aux_layers(raw: dict, layers: int, where: str) -> tuple[int, ...]:
     ids: Any = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         aux = (2, layers // 2, layers - 3)
-        if not all(1 <= i < layers for i in aux):
+        if not all(1 <= i < layers for i in aux) or not aux[0] < aux[1] < aux[2]:
             raise ModelError(f"{where}: the target has {layers} layers, too few for the default auxiliary "
                              f"layers; set {LAYER_IDS}")
         return aux
     ok = isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and not isinstance(i, bool)
                                                          for i in ids)
-    if not ok or not all(0 <= i <= layers - 2 for i in ids):
-        raise ModelError(f"{where}: {LAYER_IDS} must list 3 target layers, each the output of a layer "
-                         f"from 0 to {layers - 2} of the target's {layers}; got {json.dumps(ids)}")
+    if not ok or not all(0 <= i <= layers - 2 for i in ids) or not ids[0] < ids[1] < ids[2]:
+        # ascending: the target gives its layers' outputs in order, the head reads them in the list's
+        raise ModelError(f"{where}: {LAYER_IDS} must list 3 target layers in ascending order, each the "
+                         f"output of a layer from 0 to {layers - 2} of the target's {layers}; got "
+                         f"{json.dumps(ids)}")
     return tuple(i + 1 for i in ids)  # the output of layer j is the stream entering layer j + 1
