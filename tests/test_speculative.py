@@ -221,6 +221,17 @@ def test_the_policy_speculates_only_where_it_pays():
         assert steady.count(best) >= len(steady) * 0.95, (batch, steady)
         assert set(steady) - {best} and max(abs(k - best) for k in steady) == 1  # neighbours probed
     assert all(SpecPolicy(3, adaptive=False).choose(b) == 3 for b in (1, 64))
+    # n-gram lookup that never finds a match: every k counts as a little worse than a plain step
+    policy = SpecPolicy(3, adaptive=True)
+    seen = []
+    for _ in range(2 * PROBE_EVERY):
+        k = policy.choose(8)
+        seen.append(k)
+        if k:
+            policy.record_empty(8, k)
+        else:
+            policy.record(8, 0, 1.0, 1e-3)
+    assert seen[:4] == [0, 1, 2, 3] and seen[4:].count(0) >= len(seen[4:]) * 0.95
 
 
 def test_constrained_requests_decode_beside_speculating_ones():

@@ -107,7 +107,8 @@ class Speculation:
                 drafts, qs = self.drafting.propose(engine, wants, engine.cfg["max_prefill_tokens"])
             drafts = {r: d for r, d in drafts.items() if d}
             plan = sched.schedule(drafts)
-            if not plan.verify:
+            if not plan.verify:  # nothing to draft: a plain step, issued by the engine
+                self.policy.record_empty(decoding, k)
                 return plan
             outcome = issue_verified(engine, sched, plan, qs)
         take_verified(engine, sched, outcome, on_token, on_finish)

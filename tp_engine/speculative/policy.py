@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 PROBE_EVERY = 64
 WEIGHT = 0.25  # of a new step in a running average
+EMPTY = 0.95  # a step that found nothing to draft: this share of a plain step's rate
 
 
 @dataclass
@@ -78,6 +79,13 @@ class SpecPolicy:
         rates = self.rate.setdefault(self.size_class(batch), {})
         now = tokens_per_request / seconds
         rates[k] = now if k not in rates else (1 - WEIGHT) * rates[k] + WEIGHT * now
+
+    def record_empty(self, batch: int, k: int) -> None:
+        """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
+        step gains, having waited for the step before, so it counts as a little worse than a plain step."""
+        plain = self.rate.get(self.size_class(batch), {}).get(0)
+        if plain:  # else nothing to compare with (adaptive off, which tries no k)
+            self.record(batch, k, 1.0, 1.0 / (EMPTY * plain))
 
     def count(self, drafted: int, accepted: int, rows: int) -> None:
         """One step: `rows` requests verified `drafted` draft tokens and accepted `accepted`."""
