@@ -100,7 +100,8 @@ class Drafting:
         for active, _, q in drawn:
             for n, i in enumerate(active):
                 drafts[reqs[i]].append(host[o + n])
-                probs[reqs[i]].append(q[n])
+                if q is not None:  # None: every row greedy
+                    probs[reqs[i]].append(q[n])
             o += len(active)
         qs = {r: torch.stack(probs[r]) if p.temperature >= GREEDY_BELOW else None
               for r, p in zip(reqs, params)}

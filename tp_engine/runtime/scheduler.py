@@ -90,12 +90,13 @@ class Scheduler:
         requests (their pages taken by spec_schedule.reserve_drafts), verified in rows that come first."""
         decoding = self._grow_for_decode()
         plan = Plan()
-        drafts = drafts or {}
+        drafts = drafts or {}  # each request's drafts, never empty lists
+        if drafts:
+            for r, d in zip(self.running, decoding):
+                if d and r in drafts and not self.done_by_length(r):
+                    plan.add_row(r, 1 + len(drafts[r]), drafts[r])
         for r, d in zip(self.running, decoding):
-            if d and drafts.get(r) and not self.done_by_length(r):
-                plan.add_row(r, 1 + len(drafts[r]), drafts[r])
-        for r, d in zip(self.running, decoding):
-            if d and not drafts.get(r) and not self.done_by_length(r):
+            if d and r not in drafts and not self.done_by_length(r):
                 plan.add_row(r, 1)
         bounded = self.decode_cost > 0 and plan.reqs  # requests are decoding
         decode_cost = self.decode_cost if bounded else math.inf

@@ -78,14 +78,17 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def draft_draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
-               ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+               ops=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A draft model's proposal: for each row, a token drawn from filtered_probs(logits, params) with the
     request's seed at output step `steps[i]` (noise independent of the target's draw at that step: a distinct
-    salt), and those probabilities q [R, V]. Greedy rows: the argmax (q one-hot).
+    salt), and those probabilities q [R, V]. Greedy rows: the argmax (q one-hot); q is None when every row is
+    greedy, since `verify` reads no greedy request's q.
 
     The draw is `sample`'s with the seeds salted by DRAFT_SALT (on CUDA through the engine's kernels
     `ops`)."""
-    return sample(logits, params, salted(seeds, DRAFT_SALT), steps, ops), filtered_probs(logits, params)
+    tokens = sample(logits, params, salted(seeds, DRAFT_SALT), steps, ops)
+    sampled = any(p.temperature >= GREEDY_BELOW for p in params)
+    return tokens, filtered_probs(logits, params) if sampled else None
 
 
 def verify(logits: torch.Tensor, lens: list[int], drafts: list[list[int]], q: list[torch.Tensor | None],
