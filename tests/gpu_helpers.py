@@ -42,12 +42,13 @@ def memorize(model, path, steps: int = 80) -> str:
     return str(path)
 
 
-def tiny_memorized(path) -> str:
-    """A 2-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows SEQUENCES; bf16, at `path`."""
+def tiny_memorized(path, layers: int = 2) -> str:
+    """A `layers`-layer Qwen3 (4 query heads, 2 KV heads, head_dim 128) that knows SEQUENCES; bf16, at
+    `path`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                       max_position_embeddings=2048, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -68,12 +68,13 @@ def head_tensors(cfg: dict, own_embed: bool, seed: int = 1) -> dict[str, torch.T
          p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
          p + "mlp.down_proj.weight": w(H, I), "norm.weight": 1 + w(H, std=0.3),
          "lm_head.weight": w(vd, H, std=1)}
-    target = torch.randperm(VOCAB, generator=g)[:vd].sort().values  # the draft vocabulary, in target ids
+    V = cfg["vocab_size"]
+    target = torch.randperm(V, generator=g)[:vd].sort().values  # the draft vocabulary, in target ids
     t["d2t"] = target - torch.arange(vd)
-    t["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
+    t["t2d"] = torch.zeros(V, dtype=torch.bool)
     t["t2d"][target] = True
     if own_embed:
-        t["embed_tokens.weight"] = w(VOCAB, H, std=1)
+        t["embed_tokens.weight"] = w(V, H, std=1)
     return t
 
 

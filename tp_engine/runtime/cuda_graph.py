@@ -12,6 +12,14 @@ re-plans the wrapper and replays. With the fused kernels, each bucket has a seco
 is the decode kernel of kernels/decode_attention.py over the same buffers (no plan): a step whose requests
 all hold at most `decode_attention.MAX_CONTEXT` tokens (where the kernel is the faster) replays that one.
 
+A step of a few tokens a request (a speculating step's verification: each request's newest token and its
+drafts; a proposer's catch-up) runs as one-token rows (`token_rows`): row j of a request of n new tokens and
+KV length L has KV length L - n + 1 + j over the same pages. Every row writes its K/V before any attends, so
+each sees the rows before it, as causal attention over the request's tokens would.
+
+A runner replays one model: the engine's (`target_step`) or a proposer's (runtime/drafting.py), each with its
+own KV cache and attention backend.
+
 Capture uses capture_error_mode="thread_local": the default mode hangs with NCCL on the machines this was
 measured on.
 """
@@ -21,6 +29,8 @@ import contextlib
 import gc
 import logging
 import time
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,12 +44,43 @@ from tp_engine.runtime.step_tokens import resolve
 log = logging.getLogger("tp_engine")
 
 
+# Most new tokens of a request in a step that runs as one-token rows: a verifying request's newest token
+# and up to 16 drafts (speculative.num_tokens)
+ROW_TOKENS = 17
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, 48, 64, 96, 128, then every 32, up to max_batch (always included)."""
     sizes = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
     while sizes[-1] < max_batch:
         sizes.append(sizes[-1] + 32)
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def token_rows(batch: Batch) -> Batch:
+    """`batch` as one-token rows, a row per token (see the module's note); its logits are then every token's,
+    of which `batch.logit_rows` picks the step's."""
+    seq: list[int] = []
+    for L, n in zip(batch.seq_lens, batch.extend_lens):
+        seq += range(L - n + 1, L + 1)
+    tables = [t for t, n in zip(batch.page_tables, batch.extend_lens) for _ in range(n)]
+    return replace(batch, is_prefill=False, seq_lens=seq, extend_lens=[1] * len(seq), page_tables=tables,
+                   logit_rows=torch.arange(len(seq)), plan={})
+
+
+def target_step(engine, batch: Batch) -> torch.Tensor | None:
+    """The engine's decode step inside a graph: the previous step's tokens (step_tokens.resolve) and the K/V
+    rows, the model's forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
+    capturable), and what an EAGLE head reads of it. Logits [bs, vocab] in the model's dtype on rank 0, None
+    on the others."""
+    plan = batch.plan["flashinfer"]
+    resolve(batch.input_ids, engine.last_tokens, (batch.out_loc, engine.kv.page_size, plan.k_rows,
+                                                  plan.v_rows), engine.ops)
+    with forward_context(batch, engine.kv, engine.attn, engine.capture) as ctx:  # the sampler reads bf16
+        logits = engine.model(batch.input_ids, fp32=False)  # logits as fp32, exactly
+        if ctx.aux:
+            engine.spec.store(batch, ctx.aux)
+    return logits
 
 
 @contextlib.contextmanager
@@ -57,12 +98,15 @@ def no_collection():
 
 
 class GraphRunner:
-    def __init__(self, engine, max_batch: int) -> None:
-        if not isinstance(engine.attn, FlashInferBackend):
+    def __init__(self, engine, max_batch: int, kv, attn, step: Callable[[Batch], object],
+                 name: str = "decode") -> None:
+        """Graphs of `step`, a model's decode step over a static batch (target_step, or a proposer's), whose
+        attention is `attn` over `kv`; it returns a tensor of a row each, None, or a tuple of those."""
+        if not isinstance(attn, FlashInferBackend):
             raise ValueError("cuda_graph needs attention_backend flashinfer (or auto on CUDA); "
                              "set cuda_graph: false to run the torch backend on CUDA")
         t0 = time.perf_counter()
-        self.engine, self.model, self.attn, self.kv = engine, engine.model, engine.attn, engine.kv
+        self.engine, self.attn, self.kv, self.step = engine, attn, kv, step
         self.tp = engine.tp
         dev, S = engine.device, self.kv.page_size
         self.buckets = bucket_sizes(max_batch)
@@ -102,8 +146,8 @@ class GraphRunner:
                 self.batches[bs, True] = self._batch(bs, kernel)
         self._capture()
         if self.tp.is_first:
-            log.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s (all-reduce: %s)",
-                     len(self.buckets), self.max_bs, time.perf_counter() - t0, engine.all_reduce_kind)
+            log.info("CUDA graphs: %d %s batch sizes up to %d captured in %.1f s (all-reduce: %s)",
+                     len(self.buckets), name, self.max_bs, time.perf_counter() - t0, engine.all_reduce_kind)
 
     def _batch(self, bs: int, attention) -> Batch:
         """The static batch of a bucket whose attention runs `attention` (a wrapper or the decode kernel)."""
@@ -128,32 +172,26 @@ class GraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(key)
+                    self.step(self.batches[key])
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                out = self._step(key)
+                out = self.step(self.batches[key])
             torch.cuda.synchronize()
             pool = g.pool()
             self.graphs[key], self.outputs[key] = g, out
 
-    def _step(self, key: tuple[int, bool]) -> torch.Tensor | None:
-        """The captured work: one decode step of the model on this rank for the first `bs` static rows, the
-        model's own forward, LM head and its gather of the vocab shards included (comm.gather_to_rank0 is
-        capturable); logits [bs, vocab] in the model's dtype on rank 0, None on the others."""
-        bs, batch = key[0], self.batches[key]
-        # the tokens of the previous step, from the device, and the K/V rows (one launch with the fused
-        # kernels)
-        resolve(self.input_ids[:bs], self.engine.last_tokens,
-                (self.out_loc[:bs], self.kv.page_size, self.k_rows[:bs], self.v_rows[:bs]), self.engine.ops)
-        with forward_context(batch, self.kv, self.attn):  # the sampler reads bf16 logits as fp32, exactly
-            return self.model(self.input_ids[:bs], fp32=False)
-
     # ---- per step ----
 
-    def can_run(self, batch: Batch) -> bool:
-        return batch.size <= self.max_bs
+    def rows(self, batch: Batch) -> Batch | None:
+        """What the graphs run of `batch` (its token rows on the host): a decode step as it is, a step of at
+        most ROW_TOKENS tokens a request as one-token rows; None: neither fits."""
+        if not batch.is_prefill:
+            return batch if batch.size <= self.max_bs else None
+        if len(batch.input_ids) > self.max_bs or max(batch.extend_lens) > ROW_TOKENS:
+            return None
+        return token_rows(batch)
 
     def _bucket(self, b: int) -> int:
         for bs in self.buckets:
@@ -202,13 +240,16 @@ class GraphRunner:
                                         torch.from_numpy(kv_lens), self.host_meta[start:start + n])
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor | None:
-        """Replay the decode step for `batch`; rank 0 gets logits [>= B, vocab] (the model's dtype), the
-        others None."""
+    def run(self, batch: Batch):
+        """Replay the step for `batch` (a decode batch, `rows`' answer); returns the first B rows of what the
+        step returned (target_step: logits [B, vocab] in the model's dtype on rank 0, None on the others)."""
         b = batch.size
         bs = self._bucket(b)
         indptr, kv_lens, n = self._load(bs, batch)
         key = bs, (bs, True) in self.graphs and max(batch.seq_lens) <= decode_attention.MAX_CONTEXT
         self._plan(bs, indptr, kv_lens, n, key[1])
         self.graphs[key].replay()
-        return self.outputs[key][:b] if self.tp.is_first else None
+        out = self.outputs[key]
+        if isinstance(out, tuple):
+            return tuple(t if t is None else t[:b] for t in out)
+        return out if out is None else out[:b]

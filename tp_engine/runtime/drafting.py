@@ -16,9 +16,10 @@ import torch
 
 from tp_engine import comm
 from tp_engine.base.batch import Batch
+from tp_engine.runtime.cuda_graph import GraphRunner
 from tp_engine.runtime.request import RequestState
-from tp_engine.runtime.step_message import (DRAFT_FIRST, DRAFT_NEXT, STEP, StepMessage, decode_message,
-                                            on_device)
+from tp_engine.runtime.step_message import (DRAFT_FIRST, DRAFT_NEXT, StepMessage, decode_message, on_device,
+                                            pick_rows)
 from tp_engine.runtime.step_plan import ref_token
 from tp_engine.runtime.step_tokens import resolve, sampling_inputs_of
 from tp_engine.sampling.sampler import GREEDY_BELOW
@@ -32,15 +33,39 @@ class Drafting:
     def __init__(self, proposer, tp, max_batch: int, device: torch.device, ops) -> None:
         self.proposer, self.tp, self.device, self.ops = proposer, tp, device, ops
         self.last = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.graphs: GraphRunner | None = None  # the forwards of short rows, as CUDA graphs
+
+    def capture(self, engine, max_batch: int) -> None:
+        """CUDA graphs of the proposer's forwards of one-token rows (cuda_graph.py): every next forward, and
+        a catch-up of a few tokens a request."""
+        self.graphs = GraphRunner(engine, max_batch, self.proposer.kv, self.proposer.attn, self._graph_step,
+                                  name="drafting")
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """One drafting forward (every rank); logits of each row's last position on rank 0."""
-        batch = on_device(batch, self.device)
-        refs = None
-        if batch.draft == DRAFT_NEXT - STEP:  # its inputs: the tokens the forward before drew
-            refs = (-1 - batch.input_ids).clamp(min=0)
+        rows = self.graphs.rows(batch) if self.graphs is not None else None
+        if rows is not None:
+            logits, out = self.graphs.run(rows)
+            if rows is not batch:  # one-token rows: the step's are each request's last
+                logits = logits if logits is None else pick_rows(logits, batch.logit_rows)
+                out = out if out is None else pick_rows(out, batch.logit_rows)
+        else:
+            batch = on_device(batch, self.device)
+            refs = -1 - batch.input_ids  # DRAFT_NEXT: each row's row in the forward before
             resolve(batch.input_ids, self.last, ops=self.ops)
-        return self.proposer.forward(batch, refs)
+            self.proposer.attn.prepare(batch)
+            logits, out = self.proposer.step(batch, refs)
+            if out is not None and batch.is_prefill:
+                out = out[batch.logit_rows]
+        self.proposer.keep(out)
+        return logits
+
+    def _graph_step(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A forward inside a CUDA graph: the drawn tokens and the K/V rows resolved on the device."""
+        refs, plan = -1 - batch.input_ids, batch.plan["flashinfer"]
+        resolve(batch.input_ids, self.last, (batch.out_loc, self.proposer.kv.page_size, plan.k_rows,
+                                             plan.v_rows), self.ops)
+        return self.proposer.step(batch, refs)
 
     def share(self, tokens: torch.Tensor | None, n: int) -> None:
         out = self.last[:n]

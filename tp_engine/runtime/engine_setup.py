@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -61,9 +62,6 @@ def graphs_wanted(engine) -> bool:
         # see moe.py
         log.warning("CUDA graphs off: the MoE experts without the fused kernels cannot be captured")
         return False
-    if cfg["speculative"]["method"] == "eagle3":  # the graphs do not keep the layers' inputs for the head
-        log.warning("CUDA graphs off: the target's steps feed an EAGLE-3 head")
-        return False
     return True
 
 
@@ -99,13 +97,17 @@ def setup_cache(engine) -> bool:
 
 
 def capture_graphs(engine) -> None:
-    """The decode graphs and the prompt-step pieces; out of memory here is named, with what to lower."""
-    from tp_engine.runtime.cuda_graph import GraphRunner
+    """The decode graphs, the prompt-step pieces and the proposer's graphs; out of memory here is named, with
+    what to lower."""
+    from tp_engine.runtime.cuda_graph import GraphRunner, target_step
     from tp_engine.runtime.piecewise_graph import piecewise_graphs
     before = torch.cuda.memory_reserved(engine.device)
+    most = min(engine.cfg["cuda_graph_max_batch"], engine.max_batch)
     try:
-        engine.graphs = GraphRunner(engine, min(engine.cfg["cuda_graph_max_batch"], engine.max_batch))
+        engine.graphs = GraphRunner(engine, most, engine.kv, engine.attn, partial(target_step, engine))
         engine.pieces = piecewise_graphs(engine)
+        if engine.spec is not None:
+            engine.spec.capture_graphs(engine, most)
     except torch.cuda.OutOfMemoryError as e:  # this rank leaves at once: the others may wait in a collective
         raise comm.StartupError(graph_oom(engine, e)) from None
     torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the capture stream alone

@@ -15,7 +15,8 @@ they hold at most its MAX_CONTEXT tokens), whose page table the step copies into
 them are given no tokens): only the prompt rows then attend eagerly, and the decode rows cost the host no
 flashinfer plan and no launch per layer. Rows N..T-1 are padding: they keep stale ids and
 positions and write their K/V into the scratch page only. They never mix with real rows, since every op in
-the pieces works row by row (the expert routing too).
+the pieces works row by row (the expert routing too). What an EAGLE head reads of the step (its layers'
+inputs, fused into features) is stored in the last piece.
 
 TP 1 only: at TP > 1 the pieces would hold the all-reduces, which no test has yet run on hardware there.
 """
@@ -71,6 +72,7 @@ class PiecewiseGraphs:
         t0 = time.perf_counter()
         self.attn: FlashInferBackend = engine.attn
         self.kv, self.model = engine.kv, engine.model
+        self.capture, self.spec = engine.capture, engine.spec  # an EAGLE head's features, kept in the pieces
         self.buckets = token_buckets(max_tokens)
         M, dev, a = self.buckets[-1], engine.device, engine.attn
         self.pad_loc = self.kv.scratch_page * self.kv.page_size
@@ -141,8 +143,10 @@ class PiecewiseGraphs:
         plan = StepPlan(None, self.k_rows[:T], self.v_rows[:T])
         batch = Batch(True, self.input_ids[:T], self.positions[:T], self.out_loc[:T], [T], [T], [[]],
                       self._last, plan={"flashinfer": plan})
-        with forward_context(batch, self.kv, self):
+        with forward_context(batch, self.kv, self, self.capture) as ctx:
             self.hidden[:T].copy_(self.model.model(self.input_ids[:T]))
+            if ctx.aux:  # padded rows write the scratch page's
+                self.spec.store(batch, ctx.aux)
 
     def forward_qkv(self, layer: int, qkv: torch.Tensor, attn, kv_cache, batch: Batch) -> torch.Tensor:
         """At capture: Q/K norm, RoPE and the K/V write end the piece; the next starts from attention's

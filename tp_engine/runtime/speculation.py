@@ -66,6 +66,11 @@ class Speculation:
         self.proposer.allocate(kv.num_pages, kv.page_size, backend, engine.max_batch, engine.ops)
         self.drafting = Drafting(self.proposer, engine.tp, engine.max_batch, engine.device, engine.ops)
 
+    def capture_graphs(self, engine, max_batch: int) -> None:
+        """The proposer's CUDA graphs, after the target's (runtime/engine_setup.capture_graphs)."""
+        if self.drafting is not None:
+            self.drafting.capture(engine, max_batch)
+
     def follow(self, batch: Batch) -> None:
         """Ranks other than 0: a drafting forward rank 0 sent."""
         self.drafting.follow(batch)

@@ -49,7 +49,7 @@ def _vocab(path: Path) -> object:
 
 
 class DraftModel:
-    """The draft's weights, KV pool and attention backend; `forward` runs one drafting forward."""
+    """The draft's weights, KV pool and attention backend; `step` runs one drafting forward."""
 
     shift = 0  # a catch-up row's input at position i is token i (an EAGLE head's is token i + 1)
     keeps_drafted = True  # its K/V at the drafts it ran on holds where the target accepts them
@@ -82,10 +82,12 @@ class DraftModel:
                                  head_dim=mc.head_dim, page_size=page_size, dtype=self.dtype,
                                  max_batch=max_batch, num_pages=num_pages, ops=ops)
 
+    def keep(self, out: None) -> None:
+        """Nothing to keep between forwards: the tokens carry all a draft model needs."""
+
     @torch.inference_mode()
-    def forward(self, batch: Batch, ref_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Logits of each row's last position on rank 0 (None elsewhere). `ref_rows`: for a next-step batch,
-        each row's row in the forward before (unused here: the tokens carry all a draft model needs)."""
-        self.attn.prepare(batch)
+    def step(self, batch: Batch, refs: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        """One drafting forward of a planned batch whose tokens are resolved: logits of each row's last
+        position (every row's in a decode batch) on rank 0, None elsewhere; capturable in a CUDA graph."""
         with forward_context(batch, self.kv, self.attn):
-            return self.model(batch.input_ids)
+            return self.model(batch.input_ids, fp32=False), None

@@ -36,8 +36,7 @@ class Eagle3Drafter:
         self.heads, self.kv_heads, self.head_dim = attn.heads, attn.kv_heads, attn.head_dim
         self.hidden = self.head.config.hidden_size
         self.dtype, self.device = dtype, device
-        self.kv = self.attn = self.features = None
-        self.last_hidden: torch.Tensor | None = None  # each row's output in the latest forward
+        self.kv = self.attn = self.features = self.prev = None
 
     def bind(self, ops, fused_qkv: bool) -> None:
         self.head.bind(ops)  # its attention has no Q/K norm to fuse: the backend's plain forward
@@ -51,6 +50,8 @@ class Eagle3Drafter:
         # one feature per KV slot, the scratch page's too (a CUDA graph's padded rows write there)
         self.features = torch.zeros((num_pages + 1) * page_size, self.hidden, dtype=self.dtype,
                                     device=self.device)
+        # each request's output in the latest forward, by its row there (`keep`)
+        self.prev = torch.zeros(max_batch, self.hidden, dtype=self.dtype, device=self.device)
         self.attn = make_backend(backend, self.device, num_heads=self.heads, num_kv_heads=self.kv_heads,
                                  head_dim=self.head_dim, page_size=page_size, dtype=self.dtype,
                                  max_batch=max_batch, num_pages=num_pages, ops=ops)
@@ -59,16 +60,19 @@ class Eagle3Drafter:
         """After a target forward (every rank): each of its tokens' feature, at the token's KV slot."""
         self.features[batch.out_loc] = self.head.fuse(torch.cat(aux, dim=-1))
 
+    def keep(self, out: torch.Tensor) -> None:
+        """After a forward: each row's output at its last position [B, hidden], what a next forward's rows
+        read by their row in this one."""
+        self.prev[:len(out)].copy_(out)
+
     @torch.inference_mode()
-    def forward(self, batch: Batch, ref_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """One drafting forward: a catch-up batch reads the target's features at its slots; a next-step
-        batch (`ref_rows`: each row's row in the forward before) the head's own output there."""
-        if ref_rows is None:
-            hidden = self.features[batch.out_loc]
-        else:
-            hidden = self.last_hidden[ref_rows]
-        self.attn.prepare(batch)
+    def step(self, batch: Batch, refs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One drafting forward of a planned batch whose tokens are resolved; capturable in a CUDA graph. A
+        catch-up row reads the target's feature at its slot; a next-step row (refs[i] >= 0: its row in the
+        forward before) the head's own output there. Returns the logits of each row's last position (every
+        row's in a decode batch) on rank 0 (None elsewhere), and the head's output at every token."""
+        own = self.prev[refs.clamp(min=0)]
+        hidden = torch.where((refs >= 0)[:, None], own, self.features[batch.out_loc])
         with forward_context(batch, self.kv, self.attn):
             out = self.head(self.embed(batch.input_ids), hidden)
-            self.last_hidden = out[batch.logit_rows] if batch.is_prefill else out
-            return self.head.logits(out)
+            return self.head.logits(out), out
