@@ -145,14 +145,14 @@ class Eagle3Head(nn.Module):
         return self.midlayer(embeds, hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Draft logits in the target's vocabulary, [rows, vocab] float32 with -inf at the target ids outside
-        the draft vocabulary, on rank 0 (None on the others); a prompt step's rows are each request's last
-        (ParallelLMHead)."""
+        """Draft logits in the target's vocabulary, [rows, vocab] in the model's dtype with -inf at the target
+        ids outside the draft vocabulary, on rank 0 (None on the others); a prompt step's rows are each
+        request's last (ParallelLMHead)."""
         logits = self.lm_head(self.norm(hidden)[0])
         if logits is None:
             return None
-        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
-        out[:, self.target_ids] = logits.float()
+        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        out[:, self.target_ids] = logits
         return out
 
     def check_vocab_map(self, files: dict[str, str]) -> None:

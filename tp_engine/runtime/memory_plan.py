@@ -7,7 +7,8 @@ scratch cache and measures what the step takes beyond the weights: `max_prefill_
 min(max_batch_size, max_prefill_tokens) requests, a row of logits each, sampled with a sort of the whole
 vocabulary and 20 logprobs. The CUDA graphs' memory pools are measured the same way before they exist: the
 prompt-step pieces as an eager step of `cuda_graph_max_tokens` tokens, the decode graphs as a step of their
-largest batch, plus the logits each decode graph keeps. Then
+largest batch, plus the logits each decode graph keeps (and each of a draft model's or EAGLE-3 head's graphs,
+whose steps are smaller than the model's). Then
 
     KV cache = free memory - (1 - u) x total - largest step - CUDA graph pools - MARGIN
 
@@ -112,7 +113,9 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
             graphs += profile_step(engine, graph_batch, graph_batch, sampled=False)
             variants = 2 if engine.ops is not None else 1  # flashinfer's and the decode kernel's graphs
             itemsize = torch.empty((), dtype=engine.dtype).element_size()
-            graphs += variants * sum(bucket_sizes(graph_batch)) * engine.model_cfg.vocab_size * itemsize
+            models = 2 if getattr(engine.spec, "proposer", None) is not None else 1  # a proposer's graphs
+            kept = models * variants * sum(bucket_sizes(graph_batch))  # rows of logits
+            graphs += kept * engine.model_cfg.vocab_size * itemsize
     except torch.cuda.OutOfMemoryError as e:  # a rank leaves at once: the others may wait in a collective
         free = torch.cuda.mem_get_info(dev)[0]
         raise comm.StartupError(
