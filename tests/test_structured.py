@@ -39,28 +39,34 @@ def llm(ckpt):
     llm.shutdown()
 
 
-def hf_constrained(ckpt, llm, params: SamplingParams, ids: list[int]) -> list[int]:
-    """transformers' greedy continuation under xgrammar's logits processor, the engine's compiled grammar."""
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    """transformers on the same checkpoint, in fp32."""
     from transformers import Qwen3ForCausalLM
+    return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def hf_constrained(model, grammar, ids: list[int], new_tokens: int, eos: int) -> list[int]:
+    """transformers' greedy continuation of `ids` on `model` (on its device) under xgrammar's logits processor
+    for `grammar`, one the engine compiled; `eos` ends it."""
     from xgrammar.contrib.hf import LogitsProcessor
 
-    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    x = torch.tensor([ids])
-    proc = LogitsProcessor(llm.engine.grammars.compile(*constraint_of(params)))
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_new_tokens,
-                             do_sample=False, eos_token_id=0, pad_token_id=0, logits_processor=[proc])
+    x = torch.tensor([ids], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0, logits_processor=[LogitsProcessor(grammar)])
     return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
-def test_greedy_equals_transformers_with_xgrammar(ckpt, llm, kind):
+def test_greedy_equals_transformers_with_xgrammar(llm, hf, kind):
     """Each kind of constraint gives, greedily, transformers' tokens under xgrammar's processor, token for
     token; an output that ends on EOS is a complete match, one cut by max_new_tokens an incomplete one."""
     params = SamplingParams(max_new_tokens=48, **{kind: CONSTRAINTS[kind]})
     outs = llm.generate(PROMPTS, params)
+    grammar = llm.engine.grammars.compile(*constraint_of(params))
     for out in outs:
-        assert out["output_token_ids"] == hf_constrained(ckpt, llm, params, out["prompt_token_ids"])
+        assert out["output_token_ids"] == hf_constrained(hf, grammar, out["prompt_token_ids"], 48, eos=0)
         ended = out["output_token_ids"][-1] == 0
         assert (out["finish_reason"], out["constraint"]) == (("stop", "complete") if ended
                                                              else ("length", "incomplete"))
