@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -305,3 +307,29 @@ def test_a_large_batch_fills_its_masks_in_one_call_as_row_by_row(llm):
     grammars.fill(batch, [(i + 1, m) for i, m in enumerate(rows)])
     assert torch.equal(one, batch)
     assert len({tuple(r.tolist()) for r in one[1:]}) > len(CONSTRAINTS)  # rows differ: a wrong row would show
+
+
+@pytest.mark.slow
+def test_bench_structured_workload_reports_each_target(tmp_path):
+    """launch/bench.py --workload structured on the demo model's shapes (random weights): latency and
+    throughput runs with and without JSON schemas, the constrained ones as long as asked (random weights
+    rarely close a string) and each output under its constraint; the 20-field schema's compile times; a PASS
+    or FAIL line per target on stderr."""
+    out, new = tmp_path / "bench.json", 24
+    demo = ROOT / "configs" / "models" / "demo"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo), "--engine", "ours",
+           "--workload", "structured", "--set", "device=cpu", "--num-requests", "16",
+           "--new-tokens", str(new), "--prompt-len", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())["structured"]
+    for name, n in (("latency", 1), ("throughput", 16)):
+        constrained, plain = res[name]["constrained"], res[name]["unconstrained"]
+        assert constrained["requests"] == plain["requests"] == n
+        assert constrained["complete"] + constrained["incomplete"] == n
+        assert plain["complete"] + plain["incomplete"] == 0
+        assert constrained["output_tokens"] >= 0.9 * new * n, res[name]
+    assert res["compile"]["fields"] == 20 and res["compile"]["first_ms"] > res["compile"]["cached_ms"] > 0
+    assert res["targets"].keys() == {"latency", "throughput", "compile_cached_ms"}
+    for name, target in res["targets"].items():
+        assert f"structured {name}: {'PASS' if target['pass'] else 'FAIL'} " in proc.stderr
