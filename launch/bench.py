@@ -34,8 +34,14 @@ Workloads (comma-separated, or `all`):
   soak        --num-requests (100,000) short requests (16-64 prompt tokens, 16-32 new, greedy and
               sampled, shared prefixes) through one LLM in many generate calls: output tok/s, host RSS,
               GPU memory and open files per tenth, PASS/FAIL per target on stderr (launch/bench_soak.py)
+  structured  JSON-schema constrained decoding against the same requests unconstrained (ignore_eos off,
+              output tokens of both reported): batch 1 greedy with an 8-field schema, --new-tokens new
+              (tok/s ratio, target >= 0.97); --num-requests (256) requests over 8 schemas at --temperature
+              (output tok/s ratio, target >= 0.90); a 20-field schema's compile time, first and cached
+              (target <= 1 ms); PASS/FAIL per target on stderr (launch/bench_structured.py; --tokenizer DIR,
+              else the model's own or a byte-level BPE trained for it)
 
-(shared_prefix, long_prompt, sampling, mixed, n8 and soak are not part of `all`.)
+(shared_prefix, long_prompt, sampling, mixed, n8, soak and structured are not part of `all`.)
 The throughput workload samples with --temperature, --top-k and --top-p.
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
@@ -78,10 +84,12 @@ from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, q
 from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
 from tp_engine.runtime.request import RequestOutput  # noqa: E402
 from bench_soak import bench_soak  # noqa: E402
+from bench_structured import bench_structured  # noqa: E402
 
 log = logging.getLogger("tp_engine")
 HBM_BYTES_PER_S = 4.2e12  # device-to-device copy measured on the H200 (bytes read + written)
 SHARD_BYTES = 4 << 30
+LLM_WORKLOADS = {"soak", "structured"}  # each builds an LLM of its own, after the other workloads' engine
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,8 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True,
                    help="directory with config.json (public Qwen3 shapes in configs/models)")
     p.add_argument("--workload", default="latency",
-                   help="latency, throughput, load, shared_prefix, long_prompt, sampling, mixed, n8, soak "
-                        "(comma-separated) or all (the first three)")
+                   help="latency, throughput, load, shared_prefix, long_prompt, sampling, mixed, n8, soak, "
+                        "structured (comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
@@ -102,7 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--num-requests", type=int,
-                   help="requests (throughput, shared_prefix: 256; soak: 100,000)")
+                   help="requests (throughput, shared_prefix, structured: 256; soak: 100,000)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="structured: a directory with the tokenizer files to compile constraints with "
+                        "(default: the model's own, else a byte-level BPE trained for it)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
@@ -957,11 +968,14 @@ def main(argv=None) -> int:
                 out["checkpoint_write_s"] = round(write_checkpoint(args.model, path, args.seed, fp8), 2)
                 options.update(model=path, load_format="auto")
                 ckpt = ckpt if fp8 else path
-            if args.engine in ("ours", "both") and workloads != {"soak"}:
+            if args.engine in ("ours", "both") and workloads - LLM_WORKLOADS:
                 bench_ours(args, cfg_json, options, workloads, world, out, fp8)
                 _checkpoint_results(args, res)
             if args.engine in ("ours", "both") and "soak" in workloads:  # an LLM of its own, after that one
                 bench_soak(args, options, out)
+                _checkpoint_results(args, res)
+            if args.engine in ("ours", "both") and "structured" in workloads:
+                bench_structured(args, options, out)
                 _checkpoint_results(args, res)
         if args.engine in ("hf", "both") and workloads & {"latency", "throughput"}:
             try:

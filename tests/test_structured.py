@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -39,28 +41,34 @@ def llm(ckpt):
     llm.shutdown()
 
 
-def hf_constrained(ckpt, llm, params: SamplingParams, ids: list[int]) -> list[int]:
-    """transformers' greedy continuation under xgrammar's logits processor, the engine's compiled grammar."""
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    """transformers on the same checkpoint, in fp32."""
     from transformers import Qwen3ForCausalLM
+    return Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def hf_constrained(model, grammar, ids: list[int], new_tokens: int, eos: int) -> list[int]:
+    """transformers' greedy continuation of `ids` on `model` (on its device) under xgrammar's logits processor
+    for `grammar`, one the engine compiled; `eos` ends it."""
     from xgrammar.contrib.hf import LogitsProcessor
 
-    model = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    x = torch.tensor([ids])
-    proc = LogitsProcessor(llm.engine.grammars.compile(*constraint_of(params)))
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_new_tokens,
-                             do_sample=False, eos_token_id=0, pad_token_id=0, logits_processor=[proc])
+    x = torch.tensor([ids], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0, logits_processor=[LogitsProcessor(grammar)])
     return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
-def test_greedy_equals_transformers_with_xgrammar(ckpt, llm, kind):
+def test_greedy_equals_transformers_with_xgrammar(llm, hf, kind):
     """Each kind of constraint gives, greedily, transformers' tokens under xgrammar's processor, token for
     token; an output that ends on EOS is a complete match, one cut by max_new_tokens an incomplete one."""
     params = SamplingParams(max_new_tokens=48, **{kind: CONSTRAINTS[kind]})
     outs = llm.generate(PROMPTS, params)
+    grammar = llm.engine.grammars.compile(*constraint_of(params))
     for out in outs:
-        assert out["output_token_ids"] == hf_constrained(ckpt, llm, params, out["prompt_token_ids"])
+        assert out["output_token_ids"] == hf_constrained(hf, grammar, out["prompt_token_ids"], 48, eos=0)
         ended = out["output_token_ids"][-1] == 0
         assert (out["finish_reason"], out["constraint"]) == (("stop", "complete") if ended
                                                              else ("length", "incomplete"))
@@ -299,3 +307,29 @@ def test_a_large_batch_fills_its_masks_in_one_call_as_row_by_row(llm):
     grammars.fill(batch, [(i + 1, m) for i, m in enumerate(rows)])
     assert torch.equal(one, batch)
     assert len({tuple(r.tolist()) for r in one[1:]}) > len(CONSTRAINTS)  # rows differ: a wrong row would show
+
+
+@pytest.mark.slow
+def test_bench_structured_workload_reports_each_target(tmp_path):
+    """launch/bench.py --workload structured on the demo model's shapes (random weights): latency and
+    throughput runs with and without JSON schemas, the constrained ones as long as asked (random weights
+    rarely close a string) and each output under its constraint; the 20-field schema's compile times; a PASS
+    or FAIL line per target on stderr."""
+    out, new = tmp_path / "bench.json", 24
+    demo = ROOT / "configs" / "models" / "demo"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo), "--engine", "ours",
+           "--workload", "structured", "--set", "device=cpu", "--num-requests", "16",
+           "--new-tokens", str(new), "--prompt-len", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())["structured"]
+    for name, n in (("latency", 1), ("throughput", 16)):
+        constrained, plain = res[name]["constrained"], res[name]["unconstrained"]
+        assert constrained["requests"] == plain["requests"] == n
+        assert constrained["complete"] + constrained["incomplete"] == n
+        assert plain["complete"] + plain["incomplete"] == 0
+        assert constrained["output_tokens"] >= 0.9 * new * n, res[name]
+    assert res["compile"]["fields"] == 20 and res["compile"]["first_ms"] > res["compile"]["cached_ms"] > 0
+    assert res["targets"].keys() == {"latency", "throughput", "compile_cached_ms"}
+    for name, target in res["targets"].items():
+        assert f"structured {name}: {'PASS' if target['pass'] else 'FAIL'} " in proc.stderr
