@@ -12,7 +12,7 @@ re-plans the wrapper and replays. With the fused kernels, each bucket has a seco
 is the decode kernel of kernels/decode_attention.py over the same buffers (no plan): a step whose requests
 all hold at most `decode_attention.MAX_CONTEXT` tokens (where the kernel is the faster) replays that one.
 
-A step of a few tokens a request (a speculating step's verification: each request's newest token and its
+A speculating step of a few tokens a request (the verification: each request's newest token and its
 drafts; a proposer's catch-up) runs as one-token rows (`token_rows`): row j of a request of n new tokens and
 KV length L has KV length L - n + 1 + j over the same pages. Every row writes its K/V before any attends, so
 each sees the rows before it, as causal attention over the request's tokens would.
@@ -185,11 +185,13 @@ class GraphRunner:
     # ---- per step ----
 
     def rows(self, batch: Batch) -> Batch | None:
-        """What the graphs run of `batch` (its token rows on the host): a decode step as it is, a step of at
-        most ROW_TOKENS tokens a request as one-token rows; None: neither fits."""
+        """What the graphs run of `batch` (its token rows on the host): a decode step as it is; a verifying
+        step or a proposer's forward of at most ROW_TOKENS tokens a request as one-token rows (a prompt step
+        runs eagerly or in the pieces, whose attention is the prefill kernel's); None: neither."""
         if not batch.is_prefill:
             return batch if batch.size <= self.max_bs else None
-        if len(batch.input_ids) > self.max_bs or max(batch.extend_lens) > ROW_TOKENS:
+        if not (batch.verify or batch.draft) or len(batch.input_ids) > self.max_bs \
+                or max(batch.extend_lens) > ROW_TOKENS:
             return None
         return token_rows(batch)
 

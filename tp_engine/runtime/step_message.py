@@ -118,7 +118,7 @@ class StepMessage:
         V = self.verify
         rows = ends - 1 if not V else np.concatenate([np.arange(ends[V - 1]), ends[V:] - 1])
         return Batch(self.is_prefill, self.ids, self.positions, self.kv_slots, self.seq_lens, self.new_lens,
-                     page_tables, torch.from_numpy(rows), draft=self.command - STEP)
+                     page_tables, torch.from_numpy(rows), draft=self.command - STEP, verify=V)
 
 
 def decode_message(msg: torch.Tensor, tables: PageTables) -> Batch | None:
