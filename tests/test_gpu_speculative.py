@@ -16,6 +16,8 @@ from gpu_helpers import (DEV, HAS_CUDA, PARITY_PROMPTS, assert_parity, generate,
 from test_eagle3 import head_config, head_tensors, write_head
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+# decode graphs of up to 32 rows: six requests verifying four drafts each take 30
+ROWS = {"max_batch_size": 32, "cuda_graph_max_batch": 32}
 
 
 class Watch:
@@ -53,7 +55,8 @@ def deep(tmp_path_factory):
 def test_eagle3_greedy_keeps_parity_through_the_graphs(deep):
     needs_flashinfer()
     path, ref, head = deep
-    m = llm(path, speculative={"method": "eagle3", "model": head, "num_tokens": 4, "adaptive": False})
+    m = llm(path, speculative={"method": "eagle3", "model": head, "num_tokens": 4, "adaptive": False},
+            **ROWS)
     target, drafting = Watch(m.engine.graphs), Watch(m.engine.spec.drafting.graphs)
     prompts = PARITY_PROMPTS[:6]
     ours = generate(m, prompts, max_new_tokens=24)
@@ -69,7 +72,7 @@ def test_speculative_greedy_keeps_parity(tiny_ckpt, hf_ref, method):
     spec = {"method": method, "num_tokens": 4, "adaptive": False}
     if method == "draft":
         spec["model"] = tiny_ckpt
-    m = llm(tiny_ckpt, speculative=spec)
+    m = llm(tiny_ckpt, speculative=spec, **ROWS)
     target = Watch(m.engine.graphs)
     drafting = Watch(m.engine.spec.drafting.graphs) if method == "draft" else None
     prompts = PARITY_PROMPTS[:6]
