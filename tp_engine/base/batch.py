@@ -40,7 +40,7 @@ class Batch:
     # 0: the target model's step; else a proposer's forward: 1 its first of a step (catching up on the
     # requests' tokens), 2 a next one (inputs: the tokens the forward before drew); runtime/drafting.py
     draft: int = 0
-    verify: int = 0  # leading rows that verify drafts (their every token has logits); a target step's
+    verify: int = 0  # in a target step, the leading rows that verify drafts (every token of them has logits)
 
     @property
     def size(self) -> int:
