@@ -214,7 +214,8 @@ class Engine:
                     if plan is None:
                         continue
                 elif self.spec is not None:
-                    self.spec.plain_step()
+                    plan = sched.schedule()
+                    self.spec.plain_step(plan)
                 plan = plan or sched.schedule()
                 if not plan.reqs and inflight is None:
                     # a bug, not a user error: never spin

@@ -45,7 +45,9 @@ class Speculation:
             self.proposer = Eagle3Drafter(cfg, engine.model_cfg, engine.model, engine.dtype, engine.device)
         self.capture = getattr(self.proposer, "capture", ())  # target layers an EAGLE head reads
         self.ngrams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> NgramIndex
-        self._plain_since: float | None = None  # the latest plain step's start, for the policy's timing
+        # the latest plain step, while its time is not yet known: its issue, its decoding requests, and
+        # whether it only decodes (a step with prompt tokens is not timed for the policy)
+        self._plain: tuple[float, int, bool] | None = None
         self._decoding = 0  # decoding requests when `choose` last looked
         # launch/bench.py --force-accept: the mean tokens a verifying request takes per step, whatever the
         # target says (random weights accept almost nothing); never set by a config
@@ -87,14 +89,21 @@ class Speculation:
         self._decoding = decoding = sum(r.decoding for r in sched.running)
         return self.policy.choose(decoding) if decoding else 0
 
-    def plain_step(self) -> None:
-        """A plain step is issued (after `choose` said 0): the time since the one before goes to the policy
-        (steps overlap, so the time between two issues is one step's)."""
+    def plain_step(self, plan: Plan) -> None:
+        """A plain step `plan` is to be issued (after `choose` said 0). Steps overlap, so the time between two
+        issues is one step's: the plain step before it, if any, took the time since its issue."""
         now = time.perf_counter()
-        if self._plain_since is not None:
-            self.policy.record(self._decoding, 0, 1.0, now - self._plain_since)
-        self._plain_since = now
+        self._end_plain(now)
+        self._plain = now, self._decoding, bool(plan.reqs) and all(n == 1 for n in plan.lens)
         self.policy.count(0, 0, 0)
+
+    def _end_plain(self, now: float) -> None:
+        """The latest plain step has ended by `now`: its time to the policy."""
+        if self._plain is not None:
+            since, decoding, pure = self._plain
+            if pure:
+                self.policy.record(decoding, 0, 1.0, now - since)
+            self._plain = None
 
     def step(self, engine, sched: Scheduler, k: int, on_token: Callable[[RequestOutput], bool] | None,
              on_finish: Callable[[RequestOutput], None] | None) -> Plan | None:
@@ -102,7 +111,7 @@ class Speculation:
         Returns None, or, when no request drafted anything, the plan of a plain step for the engine to
         issue."""
         t0 = time.perf_counter()
-        self._plain_since = None
+        self._end_plain(t0)  # the engine has read the step before
         decoding = self._decoding
         with engine.shared_step():  # the ranks run the drafting and the verifying forwards together
             wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
@@ -123,9 +132,9 @@ class Speculation:
             for r, d, v in zip(plan.reqs, plan.drafts, verified):
                 r.spec_cached += min(len(v) - 1, len(d) - 1)
         self.policy.count(sum(len(d) for d in plan.drafts), accepted, V)
-        others = sum(1 for n in plan.lens[V:] if n == 1)  # plain decode rows (prompt rows gain no token)
-        gained = (accepted + V + others) / max(V + others, 1)
-        self.policy.record(decoding, k, gained, time.perf_counter() - t0)
+        if all(n == 1 for n in plan.lens[V:]):  # no prompt rows beside the verifying ones
+            gained = (accepted + len(plan.lens)) / len(plan.lens)
+            self.policy.record(decoding, k, gained, time.perf_counter() - t0)
         return None
 
     def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:

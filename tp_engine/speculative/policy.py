@@ -6,15 +6,22 @@ host's work with the GPU's. Both sides change with the batch size (at large batc
 no longer bound by its weights' bytes, and verifying k + 1 tokens a request costs k + 1 times the compute) and
 with the text (acceptance is high in code and low in free prose). So the policy measures instead of
 predicting: per batch-size class (powers of two) it keeps, for each number of drafts k (0: a plain step), an
-average of the tokens a request gained per second in steps of that k, and speculates with the best. A k not
-yet measured in a class is tried once; after that, every `PROBE_EVERY` steps of a class the policy tries a
-neighbour of its choice once, so it follows the text as acceptance drifts, at a cost of one step in that many.
+average of the tokens a request gained per second in steps of that k (steps without prompt tokens only:
+those measure the prefill, not the decoding; a rate not measured for `PROBE_EVERY` steps is replaced by
+the next measure, not averaged with it), and speculates with the best. It measures k = 0 first, then
+k = 1, 2, ... while each beats the one before. While speculating wins, every `PLAIN_EVERY`-th step of a
+class is a plain one (which costs nothing) and every `PROBE_EVERY`-th a neighbouring k, so it follows the
+text as acceptance drifts. While plain steps win, it looks at its best k > 0 again after `PROBE_EVERY` steps,
+then after twice as many each time that look loses, up to `LOOK_MOST`: a look at a losing k costs a whole
+speculating step, several plain steps' time for a small model.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 PROBE_EVERY = 64
+PLAIN_EVERY = 8
+LOOK_MOST = 4096
 WEIGHT = 0.25  # of a new step in a running average
 EMPTY = 0.95  # a step that found nothing to draft: this share of a plain step's rate
 
@@ -49,6 +56,8 @@ class SpecPolicy:
         self.k_max, self.adaptive = num_tokens, adaptive
         self.rate: dict[int, dict[int, float]] = {}  # class -> k -> tokens a request gains per second
         self.seen: dict[int, int] = {}  # class -> steps chosen in it
+        self.wait: dict[int, int] = {}  # class -> steps between looks at a k > 0 while plain steps win
+        self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.counts = SpecCounts()
 
     @staticmethod
@@ -62,23 +71,37 @@ class SpecPolicy:
         c = self.size_class(batch)
         rates = self.rate.setdefault(c, {})
         n = self.seen[c] = self.seen.get(c, 0) + 1
-        untried = [k for k in range(self.k_max + 1) if k not in rates]
-        if untried:
-            return untried[0]
+        if 0 not in rates:
+            return 0
+        top = max(rates)  # the most drafts measured: one more while each k has beaten the one before
+        if top < self.k_max and (top == 0 or rates[top] > rates[top - 1]):
+            return top + 1
         best = max(rates, key=rates.get)
-        if n % PROBE_EVERY == 0:  # a neighbour, so that a choice made on old text is looked at again
-            near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
-            return near[(n // PROBE_EVERY) % len(near)]
-        return best
+        if best:
+            self.wait[c] = PROBE_EVERY
+            if n % PROBE_EVERY == 0:  # a neighbour, so that a choice made on old text is looked at again
+                near = [k for k in (best - 1, best + 1) if 1 <= k <= self.k_max]
+                return near[(n // PROBE_EVERY) % len(near)] if near else best
+            return 0 if n % PLAIN_EVERY == 0 else best
+        wait = self.wait.setdefault(c, PROBE_EVERY)
+        if n % wait == 0:  # plain steps win: look at the best k > 0 again, less often each time it loses
+            self.wait[c] = min(2 * wait, LOOK_MOST)
+            return max((k for k in rates if k), key=rates.get)
+        return 0
 
     def record(self, batch: int, k: int, tokens_per_request: float, seconds: float) -> None:
         """A step of `batch` decoding requests with `k` drafts each took `seconds` and gave each request
         `tokens_per_request` tokens on average."""
         if seconds <= 0 or batch <= 0:
             return
-        rates = self.rate.setdefault(self.size_class(batch), {})
+        c = self.size_class(batch)
+        rates = self.rate.setdefault(c, {})
         now = tokens_per_request / seconds
-        rates[k] = now if k not in rates else (1 - WEIGHT) * rates[k] + WEIGHT * now
+        n, last = self.seen.get(c, 0), self.updated.get((c, k))
+        # a running average; a rate not measured for a while is replaced (the text may have changed since)
+        fresh = last is not None and n - last <= PROBE_EVERY
+        rates[k] = (1 - WEIGHT) * rates[k] + WEIGHT * now if fresh and k in rates else now
+        self.updated[c, k] = n
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
