@@ -341,3 +341,24 @@ def test_data_parallel_replicas_count_every_replicas_drafts(models, hf, tmp_path
         llm.shutdown()
     for name in ("drafted", "accepted", "verified_rows"):
         assert got["counts"][name] == alone[name], (name, got["counts"], alone)
+
+
+def test_the_policy_times_plain_steps_that_only_decode():
+    """A plain step's time (from its issue to the next step's) reaches the policy only when the step carried
+    no prompt tokens, which would measure the prefill, not the decoding; a plain step followed by a
+    speculating one is timed to that one's start."""
+    from types import SimpleNamespace
+
+    from tp_engine.runtime.speculation import Speculation
+
+    spec = Speculation(SimpleNamespace(cfg={"speculative": {"method": "ngram", "num_tokens": 4,
+                                                            "adaptive": True}}))
+    timed = []
+    spec.policy.record = lambda batch, k, gained, seconds: timed.append((batch, k))
+    decode, prompt = SimpleNamespace(reqs=[1, 2], lens=[1, 1]), SimpleNamespace(reqs=[1, 2], lens=[1, 40])
+    for batch, plan in ((2, decode), (2, prompt), (1, decode), (3, decode)):
+        spec._decoding = batch
+        spec.plain_step(plan)
+    assert timed == [(2, 0), (1, 0)]  # the prompt step is not timed; the last is still running
+    spec._end_plain(0.0)  # as a speculating step's start does
+    assert timed == [(2, 0), (1, 0), (3, 0)]
