@@ -18,8 +18,8 @@ from tp_engine import comm
 from tp_engine.base.batch import Batch
 from tp_engine.runtime.cuda_graph import GraphRunner
 from tp_engine.runtime.request import RequestState
-from tp_engine.runtime.step_message import (DRAFT_FIRST, DRAFT_NEXT, StepMessage, decode_message, on_device,
-                                            pick_rows)
+from tp_engine.runtime.step_message import (DRAFT_FIRST, DRAFT_NEXT, StepMessage, decode_message, device_rows,
+                                            on_device)
 from tp_engine.runtime.step_plan import ref_token
 from tp_engine.runtime.step_tokens import resolve, sampling_inputs_of
 from tp_engine.sampling.sampler import GREEDY_BELOW
@@ -47,8 +47,9 @@ class Drafting:
         if rows is not None:
             logits, out = self.graphs.run(rows)
             if rows is not batch:  # one-token rows: the step's are each request's last
-                logits = logits if logits is None else pick_rows(logits, batch.logit_rows)
-                out = out if out is None else pick_rows(out, batch.logit_rows)
+                pick = device_rows(batch.logit_rows, self.device)
+                logits = logits if logits is None else logits[pick]
+                out = out if out is None else out[pick]
         else:
             batch = on_device(batch, self.device)
             refs = -1 - batch.input_ids  # DRAFT_NEXT: each row's row in the forward before

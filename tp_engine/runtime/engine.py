@@ -26,7 +26,8 @@ from tp_engine.sampling.sampler import sample, token_logprobs
 from tp_engine.runtime.request import RequestOutput
 from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.speculation import Speculation
-from tp_engine.runtime.step_message import PageTables, decode_message, on_device, pick_rows, stop_message
+from tp_engine.runtime.step_message import (PageTables, decode_message, device_rows, on_device,
+                                            stop_message)
 from tp_engine.runtime.step_plan import Plan, step_message
 from tp_engine.runtime.step_tokens import Issued, add_logprobs, resolve, sampling_inputs, to_host
 
@@ -119,7 +120,9 @@ class Engine:
         rows = self.graphs.rows(batch) if self.graphs is not None else None
         if rows is not None:  # one copy into the graph's inputs; the references resolved inside
             logits = self.graphs.run(rows)
-            return logits if rows is batch or logits is None else pick_rows(logits, batch.logit_rows)
+            if rows is batch or logits is None:
+                return logits
+            return logits[device_rows(batch.logit_rows, self.device)]  # one-token rows: the step's rows
         batch = on_device(batch, self.device)  # decode_message's token rows are on the host
         if lead := batch.decode_rows:  # the references to the previous step's tokens are in these rows
             resolve(batch.input_ids[:lead], self.last_tokens, ops=self.ops)  # in place

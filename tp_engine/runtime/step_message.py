@@ -140,11 +140,11 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return replace(batch, input_ids=ids, positions=pos, out_loc=loc, logit_rows=last)
 
 
-def pick_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The rows `rows` (int64, on the host or on t's device) of `t`, without waiting for the device."""
-    if t.is_cuda and not rows.is_cuda:
-        rows = rows.pin_memory().to(t.device, non_blocking=True)
-    return t[rows]
+def device_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Row indices (int64, on the host) on `device`, without waiting for the device's work."""
+    if device.type == "cpu" or rows.is_cuda:
+        return rows
+    return rows.pin_memory().to(device, non_blocking=True)
 
 
 def stop_message() -> torch.Tensor:
