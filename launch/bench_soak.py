@@ -58,13 +58,15 @@ def call_params(call: int, seed: int) -> SamplingParams:
 
 
 def snapshot(device: torch.device) -> dict:
-    """This process's memory and open files. `rss` is read after the collector ran and the C allocator gave
-    its free pages back (malloc_trim): memory held, not memory kept for reuse, which moves by megabytes."""
+    """This process's memory, live Python objects and open files. `rss` is read after the collector ran
+    and the C allocator gave its free pages back (malloc_trim): memory held, not memory kept for reuse,
+    which moves by megabytes. `objects` counts what the collector tracks (tensors, dicts, lists, class
+    instances): a leak of one of them per request or per step shows there exactly, before it shows in RSS."""
     gc.collect()
     out = {"rss_untrimmed": vm_rss()}
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
-    out.update(rss=vm_rss(), fds=len(os.listdir("/proc/self/fd")))
+    out.update(rss=vm_rss(), objects=len(gc.get_objects()), fds=len(os.listdir("/proc/self/fd")))
     if device.type == "cuda":
         out.update(gpu_allocated=torch.cuda.memory_allocated(device),
                    gpu_reserved=torch.cuda.memory_reserved(device))
