@@ -201,15 +201,26 @@ def test_the_summary_line_reports_acceptance(models, tmp_path):
     assert summary["accept_length"] > 1 and len(lines) == len(PROMPTS)
 
 
-def drive(policy, batch: int, steps: int, cost: float, gain: float) -> list[int]:
-    """The policy's choices over `steps` steps of `batch` decoding requests, where a step of k drafts takes
-    1 + cost * k ms and gains 1 + gain * k tokens a request."""
-    seen = []
+def drive(policy, batch: int, steps: int, cost: float, gain: float, switch: float = 0.0, catch: float = 0.0,
+          behind: int = 0) -> tuple[list[int], float]:
+    """The policy's choices over `steps` steps of `batch` decoding requests, and the tokens a request gained
+    per ms. A plain step takes 1 ms; a step of k drafts takes 1 + cost * k ms and gains 1 + gain * k tokens a
+    request. A proposer `behind` by more than k_max + 2 tokens (it sat out plain steps, or has not seen the
+    prompt) first catches up, as speculation.py reports it: `switch` ms and `catch` ms a token more."""
+    seen, spent, gained = [], 0.0, 0.0
     for _ in range(steps):
         k = policy.choose(batch)
         seen.append(k)
-        policy.record(batch, k, 1 + gain * k, (1 + cost * k) / 1000)
-    return seen
+        if not k:
+            behind, ms, g = behind + 1, 1.0, 1.0
+            policy.record(batch, 0, g, ms / 1000)
+        else:
+            switching = behind > policy.k_max + 2
+            ms, g = 1 + cost * k + (switch + catch * behind if switching else 0), 1 + gain * k
+            (policy.record_switch if switching else policy.record)(batch, k, g, ms / 1000)
+            behind = 1
+        spent, gained = spent + ms, gained + g
+    return seen, gained / spent
 
 
 def test_the_policy_speculates_only_where_it_pays():
@@ -220,32 +231,55 @@ def test_the_policy_speculates_only_where_it_pays():
 
     policy = SpecPolicy(3, adaptive=True)
     # batch 1: speculating pays, the more drafts the better
-    seen = drive(policy, 1, 4 * PROBE_EVERY, cost=0.1, gain=0.8)
+    seen, _ = drive(policy, 1, 4 * PROBE_EVERY, cost=0.1, gain=0.8)
     assert seen[:4] == [0, 1, 2, 3]
     steady = seen[4:]
     assert steady.count(3) >= len(steady) * (1 - 1 / PLAIN_EVERY) - 8, steady
     assert set(steady) == {0, 2, 3}  # plain steps and the neighbour looked at again
     # batch 64: it does not; k = 1 loses to plain steps, so 2 and 3 are never tried
-    seen = drive(policy, 64, 4 * PROBE_EVERY, cost=1.0, gain=0.1)
-    assert seen[:2] == [0, 1] and set(seen[2:]) <= {0, 1} and seen[2:].count(1) <= 3, seen
+    seen, _ = drive(policy, 64, 4 * PROBE_EVERY, cost=1.0, gain=0.1)
+    assert seen[:2] == [0, 1] and set(seen[2:]) <= {0, 1} and seen[2:].count(1) <= 6, seen
     assert all(SpecPolicy(3, adaptive=False).choose(b) == 3 for b in (1, 64))
 
 
 def test_the_policy_looks_at_a_losing_k_less_and_less_often():
     """While plain steps win, the looks at k > 0 come after 64, 128, 256, ... steps (a look costs a whole
-    speculating step); when the text turns to one where drafts are accepted, speculation resumes at the next
-    look, and when it turns back, plain steps win again within a few of their looks."""
+    speculating step); each look is a step that catches the proposer up and one that measures k. When the
+    text turns to one where drafts are accepted, speculation resumes at the next look, and when it turns
+    back, plain steps win again within a few of their looks."""
     from tp_engine.speculative.policy import LOOK_MOST, PROBE_EVERY, SpecPolicy
 
     policy = SpecPolicy(4, adaptive=True)
-    seen = drive(policy, 1, 8192, cost=1.0, gain=0.0)  # acceptance 0
-    looks = [i + 1 for i, k in enumerate(seen) if k][1:]  # after the first measure of k = 1
-    assert looks[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY], looks
-    assert len(looks) <= 8 and all(b - a <= LOOK_MOST for a, b in zip(looks, looks[1:]))
-    seen = drive(policy, 1, 2 * LOOK_MOST, cost=0.1, gain=0.9)  # acceptance high
+    seen, _ = drive(policy, 1, 8192, cost=1.0, gain=0.0)  # acceptance 0
+    looks = [i for i, k in enumerate(seen) if k][1:]  # after the first measure of k = 1
+    starts = looks[::2]
+    assert looks[1::2] == [i + 1 for i in starts]  # a catch-up, then the measure
+    gaps = [b - a - 2 for a, b in zip(starts, starts[1:])]  # plain steps between two looks
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, 16 * PROBE_EVERY], looks
+    assert len(starts) <= 8 and max(gaps) <= LOOK_MOST
+    seen, _ = drive(policy, 1, 2 * LOOK_MOST, cost=0.1, gain=0.9, behind=LOOK_MOST)  # acceptance high
     assert seen[-PROBE_EVERY:].count(0) < PROBE_EVERY // 4
-    seen = drive(policy, 1, 64, cost=1.0, gain=0.0)  # and low again
+    seen, _ = drive(policy, 1, 64, cost=1.0, gain=0.0)  # and low again
     assert seen[-16:].count(0) >= 15, seen
+
+
+def test_a_costly_switch_makes_the_looks_rarer():
+    """A proposer that catches up before it drafts (a draft model after plain steps: ~10 plain steps' time,
+    more the longer it sat out) makes each look cost that much: at acceptance 0 the policy spaces its looks
+    so that a 256-token run after a 32-token one loses nothing and a long one under 3%, while at high
+    acceptance it still settles on the most drafts after one catch-up."""
+    from tp_engine.speculative.policy import SpecPolicy
+
+    cost = {"cost": 1.0, "switch": 10.0, "catch": 0.01}
+    policy = SpecPolicy(4, adaptive=True)
+    drive(policy, 1, 32, gain=0.0, behind=128, **cost)  # a warm-up request: its prompt is 128 tokens
+    seen, rate = drive(policy, 1, 256, gain=0.0, behind=128 + 32, **cost)
+    assert rate == 1.0, seen
+    seen, rate = drive(policy, 1, 8192, gain=0.0, behind=128 + 288, **cost)
+    assert rate >= 0.97 and 0 < sum(map(bool, seen)) <= 16, rate
+    cheap = {**cost, "cost": 0.1}  # a small draft, or a head
+    seen, rate = drive(SpecPolicy(4, adaptive=True), 1, 512, gain=0.9, behind=128, **cheap)
+    assert seen[:7] == [0, 1, 1, 2, 3, 4, 4] and rate > 2.9, (seen[:16], rate)
 
 
 def test_n_gram_lookup_without_matches_decodes_plainly():
@@ -362,3 +396,23 @@ def test_the_policy_times_plain_steps_that_only_decode():
     assert timed == [(2, 0), (1, 0)]  # the prompt step is not timed; the last is still running
     spec._end_plain(0.0)  # as a speculating step's start does
     assert timed == [(2, 0), (1, 0), (3, 0)]
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_a_proposer_catching_up_is_timed_as_a_switch(models, hf, method):
+    """A model proposer's first step on a request (its prompt), and its first after plain steps, catch it up
+    first: the policy gets those times as switches (record_switch), the steps after them as k's rate; the
+    output is still transformers' greedy one."""
+    spec = spec_of(models, method, 2, adaptive=True)
+    llm = LLM(model=str(models["target"]), device="cpu", speculative=spec)
+    policy, got = llm.engine.spec.policy, []
+    script = iter([1, 1] + [0] * 8 + [2, 2])
+    policy.choose = lambda batch: next(script, 0)
+    policy.record = lambda batch, k, gained, seconds: got.append(("rate", k)) if k else None
+    policy.record_switch = lambda batch, k, gained, seconds: got.append(("switch", k))
+    try:
+        (out,) = llm.generate([{"input_ids": PROMPTS[0]}], SamplingParams(max_new_tokens=NEW))
+    finally:
+        llm.shutdown()
+    assert got == [("switch", 1), ("rate", 1), ("switch", 2), ("rate", 2)]
+    assert out["output_token_ids"] == hf[0]

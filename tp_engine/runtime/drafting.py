@@ -34,6 +34,7 @@ class Drafting:
         self.proposer, self.tp, self.device, self.ops = proposer, tp, device, ops
         self.last = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.graphs: GraphRunner | None = None  # the forwards of short rows, as CUDA graphs
+        self.behind = 0  # the most tokens a request of the latest `propose` had to catch up on
 
     def capture(self, engine, max_batch: int) -> None:
         """CUDA graphs of the proposer's forwards of one-token rows (cuda_graph.py): every next forward, and
@@ -88,8 +89,10 @@ class Drafting:
         whose catch-up does not fit in `budget` tokens catches up part of the way and drafts nothing."""
         shift, S = self.proposer.shift, engine.kv.page_size
         first, ks = [], []
+        self.behind = 0
         for r, k in wants:
             end = r.num_tokens - shift  # its positions spec_cached .. end - 1 take known tokens
+            self.behind = max(self.behind, end - r.spec_cached)
             n = min(end - r.spec_cached, budget)
             if n <= 0:
                 continue

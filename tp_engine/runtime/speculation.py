@@ -120,9 +120,14 @@ class Speculation:
             else:
                 drafts, qs = self.drafting.propose(engine, wants, engine.cfg["max_prefill_tokens"])
             drafts = {r: d for r, d in drafts.items() if d}
+            # a proposer that sat out plain steps caught up on them first: a switch, not a steady step
+            switching = self.drafting is not None and self.drafting.behind > self.policy.k_max + 2
             plan = sched.schedule(drafts)
             if not plan.verify:  # nothing to draft: a plain step, issued by the engine
-                self.policy.record_empty(decoding, k)
+                if switching:  # a catch-up longer than the step's budget: it goes on next step
+                    self.policy.record_switch(decoding, k, 1.0, 0.0)
+                else:
+                    self.policy.record_empty(decoding, k)
                 return plan
             outcome = issue_verified(engine, sched, plan, qs)
         take_verified(engine, sched, outcome, on_token, on_finish)
@@ -132,9 +137,14 @@ class Speculation:
             for r, d, v in zip(plan.reqs, plan.drafts, verified):
                 r.spec_cached += min(len(v) - 1, len(d) - 1)
         self.policy.count(sum(len(d) for d in plan.drafts), accepted, V)
-        if all(n == 1 for n in plan.lens[V:]):  # no prompt rows beside the verifying ones
-            gained = (accepted + len(plan.lens)) / len(plan.lens)
-            self.policy.record(decoding, k, gained, time.perf_counter() - t0)
+        gained = (accepted + len(plan.lens)) / len(plan.lens)
+        seconds = time.perf_counter() - t0
+        if any(n > 1 for n in plan.lens[V:]):  # prompt rows beside the verifying ones: not timed
+            seconds = 0.0
+        if switching:
+            self.policy.record_switch(decoding, k, gained, seconds)
+        elif seconds:
+            self.policy.record(decoding, k, gained, seconds)
         return None
 
     def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:

@@ -11,9 +11,14 @@ those measure the prefill, not the decoding; a rate not measured for `PROBE_EVER
 the next measure, not averaged with it), and speculates with the best. It measures k = 0 first, then
 k = 1, 2, ... while each beats the one before. While speculating wins, every `PLAIN_EVERY`-th step of a
 class is a plain one (which costs nothing) and every `PROBE_EVERY`-th a neighbouring k, so it follows the
-text as acceptance drifts. While plain steps win, it looks at its best k > 0 again after `PROBE_EVERY` steps,
-then after twice as many each time that look loses, up to `LOOK_MOST`: a look at a losing k costs a whole
-speculating step, several plain steps' time for a small model.
+text as acceptance drifts.
+
+A model proposer that sat out plain steps first catches up on the tokens it missed (a prefill of the draft
+over them): a cost of switching, not of speculating, so that step's time does not set k's rate. It is kept
+as the switch's cost in plain steps, and the step after it drafts the same k to measure it. While plain
+steps win, the policy looks at its best k > 0 again after `PROBE_EVERY` steps, then after twice as many each
+time that look loses, up to `LOOK_MOST`, and never sooner than keeps a look's switching under `LOOK_SHARE`
+of the plain steps' time.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass
 PROBE_EVERY = 64
 PLAIN_EVERY = 8
 LOOK_MOST = 4096
+LOOK_SHARE = 0.02  # of the plain steps' time, at most, spent switching to a losing k to look at it
 WEIGHT = 0.25  # of a new step in a running average
 EMPTY = 0.95  # a step that found nothing to draft: this share of a plain step's rate
 
@@ -57,6 +63,9 @@ class SpecPolicy:
         self.rate: dict[int, dict[int, float]] = {}  # class -> k -> tokens a request gains per second
         self.seen: dict[int, int] = {}  # class -> steps chosen in it
         self.wait: dict[int, int] = {}  # class -> steps between looks at a k > 0 while plain steps win
+        self.look_at: dict[int, int] = {}  # class -> its step of the next look, while plain steps win
+        self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
+        self.hold: dict[int, int] = {}  # class -> the k its next step drafts: the one just switched to
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.counts = SpecCounts()
 
@@ -71,6 +80,8 @@ class SpecPolicy:
         c = self.size_class(batch)
         rates = self.rate.setdefault(c, {})
         n = self.seen[c] = self.seen.get(c, 0) + 1
+        if c in self.hold:
+            return self.hold.pop(c)
         if 0 not in rates:
             return 0
         top = max(rates)  # the most drafts measured: one more while each k has beaten the one before
@@ -79,15 +90,20 @@ class SpecPolicy:
         best = max(rates, key=rates.get)
         if best:
             self.wait[c] = PROBE_EVERY
+            self.look_at.pop(c, None)
             if n % PROBE_EVERY == 0:  # a neighbour, so that a choice made on old text is looked at again
                 near = [k for k in (best - 1, best + 1) if 1 <= k <= self.k_max]
                 return near[(n // PROBE_EVERY) % len(near)] if near else best
             return 0 if n % PLAIN_EVERY == 0 else best
+        # plain steps win: look at the best k > 0 again, less often each time it loses
         wait = self.wait.setdefault(c, PROBE_EVERY)
-        if n % wait == 0:  # plain steps win: look at the best k > 0 again, less often each time it loses
-            self.wait[c] = min(2 * wait, LOOK_MOST)
-            return max((k for k in rates if k), key=rates.get)
-        return 0
+        if c not in self.look_at:
+            self.look_at[c] = n + max(wait, round(self.switch.get(c, 0.0) / LOOK_SHARE))
+        if n < self.look_at[c]:
+            return 0
+        self.wait[c] = min(2 * wait, LOOK_MOST)
+        del self.look_at[c]
+        return max((k for k in rates if k), key=rates.get)
 
     def record(self, batch: int, k: int, tokens_per_request: float, seconds: float) -> None:
         """A step of `batch` decoding requests with `k` drafts each took `seconds` and gave each request
@@ -102,6 +118,18 @@ class SpecPolicy:
         fresh = last is not None and n - last <= PROBE_EVERY
         rates[k] = (1 - WEIGHT) * rates[k] + WEIGHT * now if fresh and k in rates else now
         self.updated[c, k] = n
+
+    def record_switch(self, batch: int, k: int, tokens_per_request: float, seconds: float) -> None:
+        """A step of `k` drafts whose proposer first caught up on tokens it had missed took `seconds` and
+        gave `tokens_per_request`: what it cost beyond plain steps is the switch's, and the next step drafts
+        `k` again to measure it. `seconds` 0: the step was not timed (it carried prompt tokens)."""
+        if not self.adaptive or k <= 0 or batch <= 0:
+            return
+        c = self.size_class(batch)
+        plain = self.rate.get(c, {}).get(0)
+        if plain and seconds > 0:
+            self.switch[c] = max(seconds * plain - tokens_per_request, 0.0)
+        self.hold[c] = k
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
