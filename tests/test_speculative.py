@@ -219,6 +219,7 @@ def drive(policy, batch: int, steps: int, cost: float, gain: float, switch: floa
             ms, g = 1 + cost * k + (switch + catch * behind if switching else 0), 1 + gain * k
             (policy.record_switch if switching else policy.record)(batch, k, g, ms / 1000)
             behind = 1
+        policy.count(k * batch, gain * k * batch, batch if k else 0)
         spent, gained = spent + ms, gained + g
     return seen, gained / spent
 
@@ -396,6 +397,26 @@ def test_the_policy_times_plain_steps_that_only_decode():
     assert timed == [(2, 0), (1, 0)]  # the prompt step is not timed; the last is still running
     spec._end_plain(0.0)  # as a speculating step's start does
     assert timed == [(2, 0), (1, 0), (3, 0)]
+
+
+def test_no_acceptance_anywhere_keeps_new_batch_sizes_plain():
+    """Drafts accepted at no batch size: once one class has measured that, the classes a shrinking batch
+    goes through wait for a look rather than each paying a catch-up to measure k = 1 at once; with drafts
+    accepted they measure it at once."""
+    from tp_engine.speculative.policy import PROBE_EVERY, SpecPolicy
+
+    policy = SpecPolicy(4, adaptive=True)
+    seen, _ = drive(policy, 64, 32, cost=1.0, gain=0.0, switch=10.0, behind=128)
+    assert seen[:3] == [0, 1, 1] and not any(seen[3:]), seen
+    for batch in (32, 16, 8, 4, 2, 1):  # requests finish: a class each 32 steps
+        seen, rate = drive(policy, batch, PROBE_EVERY // 2, cost=1.0, gain=0.0, switch=10.0, behind=160)
+        assert not any(seen) and rate == 1.0, (batch, seen)
+    seen, _ = drive(policy, 1, 4 * PROBE_EVERY, cost=0.1, gain=0.9, behind=160)  # the text turns
+    assert 0 < seen.index(1) <= PROBE_EVERY and seen[-PROBE_EVERY:].count(0) < PROBE_EVERY // 4, seen
+    policy = SpecPolicy(4, adaptive=True)
+    drive(policy, 64, 32, cost=0.1, gain=0.9, switch=10.0, behind=128)
+    seen, _ = drive(policy, 32, 8, cost=0.1, gain=0.9, switch=10.0, behind=160)
+    assert seen[:3] == [0, 1, 1], seen
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle3"])

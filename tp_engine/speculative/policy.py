@@ -11,7 +11,9 @@ those measure the prefill, not the decoding; a rate not measured for `PROBE_EVER
 the next measure, not averaged with it), and speculates with the best. It measures k = 0 first, then
 k = 1, 2, ... while each beats the one before. While speculating wins, every `PLAIN_EVERY`-th step of a
 class is a plain one (which costs nothing) and every `PROBE_EVERY`-th a neighbouring k, so it follows the
-text as acceptance drifts.
+text as acceptance drifts. Acceptance is the same at any batch size, so while the recent drafts (of any
+class) are accepted less than `MIN_ACCEPT` of the time, a class not yet measured at k > 0 waits for a look
+instead of measuring one at once: no batch size gains from drafts that are not accepted.
 
 A model proposer that sat out plain steps first catches up on the tokens it missed (a prefill of the draft
 over them): a cost of switching, not of speculating, so that step's time does not set k's rate. It is kept
@@ -29,6 +31,7 @@ PLAIN_EVERY = 8
 LOOK_MOST = 4096
 LOOK_SHARE = 0.02  # of the plain steps' time, at most, spent switching to a losing k to look at it
 WEIGHT = 0.25  # of a new step in a running average
+MIN_ACCEPT = 0.1  # the share of drafts accepted below which speculating pays at no batch size
 EMPTY = 0.95  # a step that found nothing to draft: this share of a plain step's rate
 
 
@@ -67,6 +70,7 @@ class SpecPolicy:
         self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
         self.hold: dict[int, int] = {}  # class -> the k its next step drafts: the one just switched to
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
+        self.accept: float | None = None  # the share of drafts accepted, a running average over steps
         self.counts = SpecCounts()
 
     @staticmethod
@@ -86,7 +90,8 @@ class SpecPolicy:
             return 0
         top = max(rates)  # the most drafts measured: one more while each k has beaten the one before
         if top < self.k_max and (top == 0 or rates[top] > rates[top - 1]):
-            return top + 1
+            if top or self.accept is None or self.accept >= MIN_ACCEPT:
+                return top + 1
         best = max(rates, key=rates.get)
         if best:
             self.wait[c] = PROBE_EVERY
@@ -103,7 +108,7 @@ class SpecPolicy:
             return 0
         self.wait[c] = min(2 * wait, LOOK_MOST)
         del self.look_at[c]
-        return max((k for k in rates if k), key=rates.get)
+        return max((k for k in rates if k), key=rates.get, default=1)
 
     def record(self, batch: int, k: int, tokens_per_request: float, seconds: float) -> None:
         """A step of `batch` decoding requests with `k` drafts each took `seconds` and gave each request
@@ -142,6 +147,9 @@ class SpecPolicy:
         """One step: `rows` requests verified `drafted` draft tokens and accepted `accepted`."""
         c = self.counts
         c.steps += 1
+        if rows and drafted:
+            share = accepted / drafted
+            self.accept = share if self.accept is None else (1 - WEIGHT) * self.accept + WEIGHT * share
         if rows:
             c.spec_steps += 1
             c.drafted += drafted
