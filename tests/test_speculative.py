@@ -437,3 +437,17 @@ def test_a_proposer_catching_up_is_timed_as_a_switch(models, hf, method):
         llm.shutdown()
     assert got == [("switch", 1), ("rate", 1), ("switch", 2), ("rate", 2)]
     assert out["output_token_ids"] == hf[0]
+
+
+@pytest.mark.parametrize("method", ["draft_self", "eagle3"])
+def test_a_catch_up_past_the_step_budget_goes_on_beside_drafting_requests(models, method):
+    """A proposer's catch-up on a long prompt larger than a step's prompt budget (max_prefill_tokens) runs
+    part of the way and drafts nothing that step, beside a request that drafts; it goes on the next step, and
+    greedy output is transformers' own. The model as its own draft still has every draft accepted: each
+    request's next drafting forward reads its own draft."""
+    prompts = [PROMPTS[0], [(7 * i) % 500 + 2 for i in range(60)]]
+    outs, counts = generate(models, method, {"max_new_tokens": NEW}, prompts=prompts, max_prefill_tokens=16)
+    assert [o["output_token_ids"] for o in outs] == hf_generate(models["target"], prompts, NEW)
+    assert counts["spec_share"] > 0.5
+    if method == "draft_self":
+        assert counts["acceptance_rate"] == 1.0, counts

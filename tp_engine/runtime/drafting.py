@@ -115,11 +115,15 @@ class Drafting:
                 logits = self._send(engine, DRAFT_NEXT, [
                     (reqs[i], reqs[i].spec_cached - 1 + j, 1, [ref_token(row_of[i])]) for i in active], S)
                 row_of = {i: n for n, i in enumerate(active)}
-            sel = torch.tensor([row_of[i] for i in active], device=logits.device)
-            tokens, q = draft_draw(logits[sel], [params[i] for i in active], [seeds[i] for i in active],
-                                   [steps[i] + j for i in active], self.ops)
-            every = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
-            every[sel] = tokens
+            rows = [row_of[i] for i in active]
+            whole = rows == list(range(len(logits)))  # every row drafts (no request caught up only)
+            sel = None if whole else torch.tensor(rows, device=logits.device)
+            tokens, q = draft_draw(logits if whole else logits[sel], [params[i] for i in active],
+                                   [seeds[i] for i in active], [steps[i] + j for i in active], self.ops)
+            every = tokens
+            if not whole:
+                every = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
+                every[sel] = tokens
             self.share(every, len(logits))
             drawn.append((active, tokens, q))
         host = torch.cat([t for _, t, _ in drawn]).tolist() if drawn else []  # one wait for all drafts
