@@ -483,6 +483,7 @@ class HostTimers:
         from tp_engine.runtime.step_message import StepMessage
 
         self.t: dict[str, float] = {}
+        self.n: dict[str, int] = {}  # calls per label
         self.patches = []
         for owner, name, label in ((E.comm, "broadcast_ints", "broadcast"),
                                    (E, "decode_message", "decode_message"),
@@ -496,13 +497,24 @@ class HostTimers:
         if engine.graphs is not None:
             self._wrap(engine.graphs, "_load", "graph_inputs_and_plan")
             self._wrap(engine.attn, "plan_graph_decode", "graph_plan")
+        # a speculating step (it waits for the GPU where it reads drafts and verified tokens): its drafting
+        # (catch-up and draft forwards, to the drafts on the host), its verifying forward and rejection
+        # sampling, the requests taking the tokens; and how many of its steps caught the proposer up
+        if engine.spec is not None:
+            import tp_engine.runtime.speculation as S
+            self._wrap(S, "issue_verified", "spec_verify")
+            self._wrap(S, "take_verified", "spec_take")
+            self._wrap(engine.spec.policy, "record_switch", "spec_switch")
+            if engine.spec.drafting is not None:
+                self._wrap(engine.spec.drafting, "propose", "spec_draft")
 
     def _wrap(self, owner, name, label) -> None:
         orig = getattr(owner, name)
-        t = self.t
+        t, n = self.t, self.n
 
         def timed(*a, **k):
             t0 = time.perf_counter()
+            n[label] = n.get(label, 0) + 1
             try:
                 return orig(*a, **k)
             finally:
@@ -531,11 +543,18 @@ def host_profile(engine: Engine, args, res: dict) -> None:
     finally:
         timers.remove()
     steps = args.new_tokens + 1  # the prefill step, the decode steps and the stop message
-    mine = {k: round(v / steps * 1e6, 1) for k, v in timers.t.items()}
+    mine = {k: round(v / steps * 1e6, 1) for k, v in timers.t.items() if not k.startswith("spec_")}
     mine["wall_per_step"] = round(wall / steps * 1e6, 1)
     per_rank = comm.all_gather_object(mine) if engine.tp.size > 1 else [mine]
     if engine.tp.is_first:
         res["latency"]["host_us_per_step"] = {f"rank{r}": d for r, d in enumerate(per_rank)}
+        verifying = timers.n.get("spec_verify", 0)
+        if verifying:  # per speculating step, on rank 0
+            spec = {k[5:]: round(v / verifying * 1e6, 1) for k, v in timers.t.items()
+                    if k.startswith("spec_") and k != "spec_switch"}
+            res["latency"]["spec_us_per_verifying_step"] = {
+                **spec, "verifying_steps": verifying, "switches": timers.n.get("spec_switch", 0),
+                "tokens": args.new_tokens}
 
 
 def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", top_k: int | None = None,

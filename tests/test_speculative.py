@@ -451,3 +451,19 @@ def test_a_catch_up_past_the_step_budget_goes_on_beside_drafting_requests(models
     assert counts["spec_share"] > 0.5
     if method == "draft_self":
         assert counts["acceptance_rate"] == 1.0, counts
+
+
+def test_the_latency_profile_breaks_a_speculating_step_down(tmp_path):
+    """launch/bench.py --workload latency --profile with a draft model: per verifying step, the time spent
+    drafting (the catch-up included), verifying and taking the tokens, and how many steps caught up."""
+    out = tmp_path / "bench.json"
+    demo = ROOT / "configs" / "models"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo / "demo"), "--workload",
+           "latency", "--engine", "ours", "--set", "device=cpu", "--new-tokens", "24", "--profile",
+           "--set", "speculative.method=draft", "--set", f"speculative.model={demo / 'demo-draft'}",
+           "--set", "speculative.adaptive=false", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = json.loads(out.read_text())["latency"]["spec_us_per_verifying_step"]
+    assert spec.keys() == {"draft", "verify", "take", "verifying_steps", "switches", "tokens"}, spec
+    assert 0 < spec["verifying_steps"] <= 24 and spec["switches"] >= 1 and spec["draft"] > 0, spec
