@@ -68,7 +68,7 @@ class SpecPolicy:
         self.wait: dict[int, int] = {}  # class -> steps between looks at a k > 0 while plain steps win
         self.look_at: dict[int, int] = {}  # class -> its step of the next look, while plain steps win
         self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
-        self.hold: dict[int, int] = {}  # class -> the k its next step drafts: the one just switched to
+        self.hold: tuple[int, int] | None = None  # (class, k): the next step's k, if of that class
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.accept: float | None = None  # the share of drafts accepted, a running average over steps
         self.counts = SpecCounts()
@@ -84,8 +84,9 @@ class SpecPolicy:
         c = self.size_class(batch)
         rates = self.rate.setdefault(c, {})
         n = self.seen[c] = self.seen.get(c, 0) + 1
-        if c in self.hold:
-            return self.hold.pop(c)
+        hold, self.hold = self.hold, None  # the step after a switch measures the k switched to
+        if hold is not None and hold[0] == c:
+            return hold[1]
         if 0 not in rates:
             return 0
         top = max(rates)  # the most drafts measured: one more while each k has beaten the one before
@@ -134,7 +135,7 @@ class SpecPolicy:
         plain = self.rate.get(c, {}).get(0)
         if plain and seconds > 0:
             self.switch[c] = max(seconds * plain - tokens_per_request, 0.0)
-        self.hold[c] = k
+        self.hold = c, k
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
