@@ -103,8 +103,14 @@ def test_the_floor_lane_tests_the_floors_pyproject_states():
 
 
 def test_gpu_ci_names_an_unknown_part_before_anything_runs():
-    """`.ci/gpu PART...` checks its parts first: an unknown one is named, and it exits 2 without touching a
-    GPU or installing anything."""
-    proc = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), "single", "tests"], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 2 and "unknown part 'tests' (single, multi, bench)" in proc.stderr, proc.stderr
+    """`.ci/gpu PART...` checks its parts first: an unknown one, or a share past the number of shares, is
+    named, and it exits 2 without touching a GPU or installing anything."""
+    def run(*parts: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), *parts], capture_output=True, text=True,
+                              timeout=60)
+    proc = run("single", "tests")
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown part 'tests' (single, single:I/N, multi, bench)" in proc.stderr, proc.stderr
+    proc = run("single:1/2", "single:3/2")
+    assert proc.returncode == 2, proc.stderr
+    assert "'single:3/2': the share is past the number of shares" in proc.stderr, proc.stderr
