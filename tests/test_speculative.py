@@ -203,23 +203,30 @@ def test_the_summary_line_reports_acceptance(models, tmp_path):
 
 def drive(policy, batch: int, steps: int, cost: float, gain: float, switch: float = 0.0, catch: float = 0.0,
           behind: int = 0) -> tuple[list[int], float]:
-    """The policy's choices over `steps` steps of `batch` decoding requests, and the tokens a request gained
-    per ms. A plain step takes 1 ms; a step of k drafts takes 1 + cost * k ms and gains 1 + gain * k tokens a
-    request. A proposer `behind` by more than k_max + 2 tokens (it sat out plain steps, or has not seen the
-    prompt) first catches up, as speculation.py reports it: `switch` ms and `catch` ms a token more."""
+    """The policy's choices over `steps` steps of `batch` decoding requests (-k: a probe, where one request
+    drafts k), and the tokens a request gained per ms. A plain step takes 1 ms; a step of k drafts takes
+    1 + cost * k ms and gains 1 + gain * k tokens a request. A proposer `behind` by more than k_max + 2 tokens
+    (it sat out plain steps, or has not seen the prompt) first catches up, as speculation.py reports it:
+    `switch` ms and `catch` ms a token more. A probe costs a batch-th of a step's drafting and catch-up."""
     seen, spent, gained = [], 0.0, 0.0
     for _ in range(steps):
         k = policy.choose(batch)
-        seen.append(k)
-        if not k:
-            behind, ms, g = behind + 1, 1.0, 1.0
-            policy.record(batch, 0, g, ms / 1000)
+        switching = k and behind > policy.k_max + 2
+        extra = cost * k + (switch + catch * behind if switching else 0)
+        if policy.probe is not None:
+            seen.append(-k)
+            ms, g = 1 + extra / batch, 1 + gain * k / batch
+            policy.count(k, gain * k, 1)
         else:
-            switching = behind > policy.k_max + 2
-            ms, g = 1 + cost * k + (switch + catch * behind if switching else 0), 1 + gain * k
-            (policy.record_switch if switching else policy.record)(batch, k, g, ms / 1000)
-            behind = 1
-        policy.count(k * batch, gain * k * batch, batch if k else 0)
+            seen.append(k)
+            ms, g = 1 + extra, 1 + gain * k
+            if not k:
+                behind += 1
+                policy.record(batch, 0, g, ms / 1000)
+            else:
+                (policy.record_switch if switching else policy.record)(batch, k, g, ms / 1000)
+                behind = 1
+            policy.count(k * batch, gain * k * batch, batch if k else 0)
         spent, gained = spent + ms, gained + g
     return seen, gained / spent
 
@@ -419,6 +426,25 @@ def test_no_acceptance_anywhere_keeps_new_batch_sizes_plain():
     assert seen[:3] == [0, 1, 1], seen
 
 
+def test_while_drafts_are_not_accepted_a_look_at_a_batch_is_a_probe():
+    """At acceptance 0, a look at a batch of 64 drafts for one request only (a probe: its catch-up, not
+    every request's); when the text turns and the probe's drafts are accepted, the next step looks with
+    every request and speculation resumes."""
+    from tp_engine.speculative.policy import PROBE_EVERY, SpecPolicy
+
+    policy = SpecPolicy(4, adaptive=True)
+    cost = {"switch": 40.0, "catch": 0.0}  # a catch-up over 64 requests' contexts
+    seen, _ = drive(policy, 64, 32, cost=1.0, gain=0.0, behind=128, **cost)
+    assert seen[:3] == [0, 1, 1] and not any(seen[3:]), seen
+    seen, rate = drive(policy, 64, 4096, cost=1.0, gain=0.0, behind=160, **cost)
+    probes = [i for i, k in enumerate(seen) if k < 0]
+    assert min(seen) == -1 and max(seen) == 0 and 3 <= len(probes) <= 7 and rate > 0.99, (probes, rate)
+    seen, _ = drive(policy, 64, 8192, cost=0.1, gain=0.9, behind=160, **cost)  # the text turns
+    first = next(i for i, k in enumerate(seen) if k < 0)
+    assert seen[first + 1:first + 3] == [1, 1], seen[first:first + 8]  # a whole look: catch-up, measure
+    assert seen[-PROBE_EVERY:].count(0) < PROBE_EVERY // 4 and min(seen[first + 1:]) >= 0
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
 def test_a_proposer_catching_up_is_timed_as_a_switch(models, hf, method):
     """A model proposer's first step on a request (its prompt), and its first after plain steps, catch it up
@@ -467,3 +493,33 @@ def test_the_latency_profile_breaks_a_speculating_step_down(tmp_path):
     spec = json.loads(out.read_text())["latency"]["spec_us_per_verifying_step"]
     assert spec.keys() == {"draft", "verify", "take", "verifying_steps", "switches", "tokens"}, spec
     assert 0 < spec["verifying_steps"] <= 24 and spec["switches"] >= 1 and spec["draft"] > 0, spec
+
+
+def test_a_probe_drafts_for_one_request_and_times_no_k(models, hf):
+    """A probe step (policy.probe set by `choose`) drafts for the one request whose proposer is least behind;
+    the policy counts its drafts (the acceptance) but gets no time for k; output is transformers' greedy."""
+    llm = LLM(model=str(models["target"]), device="cpu", speculative=spec_of(models, "draft_self", 2, True))
+    policy, counted, timed = llm.engine.spec.policy, [], []
+    # a switch and its measure, two plain steps, then a probe of 2 drafts: (k, probe)
+    script = iter([(1, False), (1, False), (0, False), (0, False), (2, True)])
+    count = policy.count
+
+    def choose(batch: int) -> int:
+        k, probe = next(script, (0, False))
+        policy.probe = policy.size_class(batch) if probe else None
+        return k
+
+    def count_(drafted: int, accepted: int, rows: int) -> None:
+        counted.append((drafted, accepted, rows, policy.probe is not None))
+        count(drafted, accepted, rows)
+    policy.choose, policy.count = choose, count_
+    policy.record = lambda batch, k, gained, seconds: timed.append(k) if k else None
+    policy.record_switch = lambda batch, k, gained, seconds: timed.append(k)
+    try:
+        outs = llm.generate([{"input_ids": p} for p in PROMPTS], SamplingParams(max_new_tokens=NEW))
+    finally:
+        llm.shutdown()
+    assert [o["output_token_ids"] for o in outs] == hf
+    probes = [c for c in counted if c[3]]
+    assert probes == [(2, 2, 1, True)], counted[:8]  # one request drafted 2, both accepted
+    assert timed == [1, 1], timed  # the switch and its measure; not the probe

@@ -112,9 +112,9 @@ class Speculation:
         issue."""
         t0 = time.perf_counter()
         self._end_plain(t0)  # the engine has read the step before
-        decoding = self._decoding
+        decoding, probing = self._decoding, self.policy.probe is not None
         with engine.shared_step():  # the ranks run the drafting and the verifying forwards together
-            wants = reserve_drafts(sched, k, lambda r: not has_constraint(r.out.params))
+            wants = reserve_drafts(sched, k, self._may_draft(sched, probing))
             if self.proposer is None:
                 drafts, qs = {r: self._ngram(r, n) for r, n in wants}, {}
             else:
@@ -124,9 +124,9 @@ class Speculation:
             switching = self.drafting is not None and self.drafting.behind > self.policy.k_max + 2
             plan = sched.schedule(drafts)
             if not plan.verify:  # nothing to draft: a plain step, issued by the engine
-                if switching:  # a catch-up longer than the step's budget: it goes on next step
+                if switching and not probing:  # a catch-up longer than the step's budget: it goes on
                     self.policy.record_switch(decoding, k, 1.0, 0.0)
-                else:
+                elif not probing:
                     self.policy.record_empty(decoding, k)
                 return plan
             outcome = issue_verified(engine, sched, plan, qs)
@@ -141,11 +141,25 @@ class Speculation:
         seconds = time.perf_counter() - t0
         if any(n > 1 for n in plan.lens[V:]):  # prompt rows beside the verifying ones: not timed
             seconds = 0.0
+        if probing:  # one request drafted: the step times no k
+            return None
         if switching:
             self.policy.record_switch(decoding, k, gained, seconds)
         elif seconds:
             self.policy.record(decoding, k, gained, seconds)
         return None
+
+    @staticmethod
+    def _may_draft(sched: Scheduler, probing: bool) -> Callable[[RequestState], bool]:
+        """Which decoding requests draft: those without an output constraint; in a probe, only the one of
+        them whose proposer is least behind (the cheapest catch-up), which measures the acceptance."""
+        def free(r: RequestState) -> bool:
+            return not has_constraint(r.out.params)
+        if not probing:
+            return free
+        one = min((r for r in sched.running if r.decoding and free(r)), default=None,
+                  key=lambda r: r.num_tokens - r.spec_cached)
+        return lambda r: r is one
 
     def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:
         """Each request takes its first a drafts and one more token, a chosen so that the mean of a + 1 is

@@ -13,7 +13,10 @@ k = 1, 2, ... while each beats the one before. While speculating wins, every `PL
 class is a plain one (which costs nothing) and every `PROBE_EVERY`-th a neighbouring k, so it follows the
 text as acceptance drifts. Acceptance is the same at any batch size, so while the recent drafts (of any
 class) are accepted less than `MIN_ACCEPT` of the time, a class not yet measured at k > 0 waits for a look
-instead of measuring one at once: no batch size gains from drafts that are not accepted.
+instead of measuring one at once: no batch size gains from drafts that are not accepted. Such a look, at a
+batch of several requests, is a probe: one request drafts (the one whose proposer is least behind), which
+measures the acceptance for one request's catch-up, and only if its drafts are accepted does the next step
+look with every request.
 
 A model proposer that sat out plain steps first catches up on the tokens it missed (a prefill of the draft
 over them): a cost of switching, not of speculating, so that step's time does not set k's rate. It is kept
@@ -71,6 +74,7 @@ class SpecPolicy:
         self.hold: tuple[int, int] | None = None  # (class, k): the next step's k, if of that class
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.accept: float | None = None  # the share of drafts accepted, a running average over steps
+        self.probe: int | None = None  # the class whose next step is a probe (one request drafts)
         self.counts = SpecCounts()
 
     @staticmethod
@@ -79,6 +83,7 @@ class SpecPolicy:
 
     def choose(self, batch: int) -> int:
         """Drafts per request for the next step of `batch` decoding requests (0: a plain step)."""
+        self.probe = None
         if not self.adaptive:
             return self.k_max
         c = self.size_class(batch)
@@ -103,12 +108,16 @@ class SpecPolicy:
             return 0 if n % PLAIN_EVERY == 0 else best
         # plain steps win: look at the best k > 0 again, less often each time it loses
         wait = self.wait.setdefault(c, PROBE_EVERY)
-        if c not in self.look_at:
-            self.look_at[c] = n + max(wait, round(self.switch.get(c, 0.0) / LOOK_SHARE))
+        probe = batch > 1 and self.accept is not None and self.accept < MIN_ACCEPT
+        if c not in self.look_at:  # a probe catches up one request: about a batch-th of a switch's cost
+            switch = self.switch.get(c, 0.0) / (batch if probe else 1)
+            self.look_at[c] = n + max(wait, round(switch / LOOK_SHARE))
         if n < self.look_at[c]:
             return 0
         self.wait[c] = min(2 * wait, LOOK_MOST)
         del self.look_at[c]
+        if probe:
+            self.probe = c  # drafts not accepted: first measure that again, on one request
         return max((k for k in rates if k), key=rates.get, default=1)
 
     def record(self, batch: int, k: int, tokens_per_request: float, seconds: float) -> None:
@@ -148,9 +157,14 @@ class SpecPolicy:
         """One step: `rows` requests verified `drafted` draft tokens and accepted `accepted`."""
         c = self.counts
         c.steps += 1
+        probe, self.probe = self.probe, None
         if rows and drafted:
             share = accepted / drafted
-            self.accept = share if self.accept is None else (1 - WEIGHT) * self.accept + WEIGHT * share
+            # a probe's share replaces the average, which is as old as the probes are far apart
+            keep = self.accept is not None and probe is None
+            self.accept = (1 - WEIGHT) * self.accept + WEIGHT * share if keep else share
+            if probe is not None and share >= MIN_ACCEPT:  # accepted again: a whole look, next step
+                self.look_at[probe] = self.seen.get(probe, 0) + 1
         if rows:
             c.spec_steps += 1
             c.drafted += drafted
