@@ -9,14 +9,15 @@ predicting: per batch-size class (powers of two) it keeps, for each number of dr
 average of the tokens a request gained per second in steps of that k (steps without prompt tokens only:
 those measure the prefill, not the decoding; a rate not measured for `PROBE_EVERY` steps is replaced by
 the next measure, not averaged with it), and speculates with the best. It measures k = 0 first, then
-k = 1, 2, ... while each beats the one before. While speculating wins, every `PLAIN_EVERY`-th step of a
-class is a plain one (which costs nothing) and every `PROBE_EVERY`-th a neighbouring k, so it follows the
-text as acceptance drifts. Acceptance is the same at any batch size, so while the recent drafts (of any
-class) are accepted less than `MIN_ACCEPT` of the time, a class not yet measured at k > 0 waits for a look
-instead of measuring one at once: no batch size gains from drafts that are not accepted. Such a look, at a
-batch of several requests, is a probe: one request drafts (the one whose proposer is least behind), which
-measures the acceptance for one request's catch-up, and only if its drafts are accepted does the next step
-look with every request.
+k = 1, 2, ... while each beats the one before. While speculating wins, one step in `PLAIN_EVERY` of a
+class is a plain one and one in `PROBE_EVERY` a neighbouring k, so it follows the text as acceptance drifts
+(rarely: where speculating gains 2.3x, a plain step loses more than half a step's tokens).
+
+Acceptance is the same at any batch size, so while the recent drafts (of any class) are accepted less than
+`MIN_ACCEPT` of the time, a class not yet measured at k > 0 waits for a look instead of measuring one at
+once: no batch size gains from drafts that are not accepted. Such a look, at a batch of several requests,
+is a probe: one request drafts (the one whose proposer is least behind), which measures the acceptance for
+one request's catch-up, and only if its drafts are accepted does the next step look with every request.
 
 A model proposer that sat out plain steps first catches up on the tokens it missed (a prefill of the draft
 over them): a cost of switching, not of speculating, so that step's time does not set k's rate. It is kept
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 PROBE_EVERY = 64
-PLAIN_EVERY = 8
+PLAIN_EVERY = 64
 LOOK_MOST = 4096
 LOOK_SHARE = 0.02  # of the plain steps' time, at most, spent switching to a losing k to look at it
 WEIGHT = 0.25  # of a new step in a running average
@@ -105,7 +106,7 @@ class SpecPolicy:
             if n % PROBE_EVERY == 0:  # a neighbour, so that a choice made on old text is looked at again
                 near = [k for k in (best - 1, best + 1) if 1 <= k <= self.k_max]
                 return near[(n // PROBE_EVERY) % len(near)] if near else best
-            return 0 if n % PLAIN_EVERY == 0 else best
+            return 0 if n % PLAIN_EVERY == PLAIN_EVERY // 2 else best
         # plain steps win: look at the best k > 0 again, less often each time it loses
         wait = self.wait.setdefault(c, PROBE_EVERY)
         probe = batch > 1 and self.accept is not None and self.accept < MIN_ACCEPT
