@@ -2,7 +2,8 @@
 an EAGLE-3 head in the published layout) greedy output equals transformers' own, at TP 1, 2 and 4; a draft
 that is the model itself has every token accepted; sampled output is reproducible and the same at every TP;
 logprobs, stop ids, lengths, n, preemption and the prefix cache behave as without speculation; a draft of
-another tokenizer or hidden size is refused by name at start-up."""
+another tokenizer or hidden size is refused by name at start-up. The adaptive policy is checked in a model of
+step costs (`drive`) and, for what the engine reports to it (switches, probes), in the engine."""
 from __future__ import annotations
 
 import json
