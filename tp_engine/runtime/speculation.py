@@ -126,7 +126,7 @@ class Speculation:
             if not plan.verify:  # nothing to draft: a plain step, issued by the engine
                 if switching and not probing:  # a catch-up longer than the step's budget: it goes on
                     self.policy.record_switch(decoding, k, 1.0, 0.0)
-                elif not probing:
+                elif not probing:  # a probe times nothing
                     self.policy.record_empty(decoding, k)
                 return plan
             outcome = issue_verified(engine, sched, plan, qs)
@@ -137,12 +137,12 @@ class Speculation:
             for r, d, v in zip(plan.reqs, plan.drafts, verified):
                 r.spec_cached += min(len(v) - 1, len(d) - 1)
         self.policy.count(sum(len(d) for d in plan.drafts), accepted, V)
+        if probing:  # one request drafted: the step times no k
+            return None
         gained = (accepted + len(plan.lens)) / len(plan.lens)
         seconds = time.perf_counter() - t0
         if any(n > 1 for n in plan.lens[V:]):  # prompt rows beside the verifying ones: not timed
             seconds = 0.0
-        if probing:  # one request drafted: the step times no k
-            return None
         if switching:
             self.policy.record_switch(decoding, k, gained, seconds)
         elif seconds:
