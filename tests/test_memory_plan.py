@@ -59,3 +59,31 @@ def test_a_step_budget_past_the_measured_one_is_refused():
             llm.generate([[1, 2, 3]])
     finally:
         llm.shutdown()
+
+
+def test_the_measured_step_keeps_every_position_inside_the_model(tmp_path, monkeypatch):
+    """The measured step of max_prefill_tokens tokens, more than the model's max_position_embeddings, holds no
+    request longer than max_model_len: a position past the model's span would read past its RoPE table (on
+    the GPU an out-of-bounds read, which can fault). The step keeps its tokens and at least its rows."""
+    from helpers import make_checkpoint
+    from tp_engine.llm import LLM
+    ckpt = make_checkpoint(tmp_path / "m", max_pos=64)
+    llm = LLM(model=str(ckpt), device="cpu", max_prefill_tokens=200, max_batch_size=4)
+    try:
+        for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+        for name in ("memory_allocated", "max_memory_allocated"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+        seen = []
+        context = memory_plan.forward_context
+
+        def watch(batch, *args):
+            seen.append(batch)
+            return context(batch, *args)
+        monkeypatch.setattr(memory_plan, "forward_context", watch)
+        memory_plan.profile_step(llm.engine, 200, 4, sampled=True)
+    finally:
+        llm.shutdown()
+    (batch,) = seen
+    assert sum(batch.extend_lens) == 200 and batch.size >= 4
+    assert max(batch.seq_lens) <= 64 and int(batch.positions.max()) < 64, batch.seq_lens

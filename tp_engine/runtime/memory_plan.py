@@ -4,11 +4,11 @@ the largest step and the CUDA graphs have theirs.
 `kv_cache.gpu_memory_utilization` (u) is the share of the card's memory the engine may hold; (1 - u) of it
 stays free. Before the KV pool exists, the engine runs the largest step its configuration allows on a
 scratch cache and measures what the step takes beyond the weights: `max_prefill_tokens` tokens over
-min(max_batch_size, max_prefill_tokens) requests, a row of logits each, sampled with a sort of the whole
-vocabulary and 20 logprobs. The CUDA graphs' memory pools are measured the same way before they exist: the
-prompt-step pieces as an eager step of `cuda_graph_max_tokens` tokens, the decode graphs as a step of their
-largest batch, plus the logits each decode graph keeps (and each of a draft model's or EAGLE-3 head's graphs,
-whose steps are smaller than the model's). Then
+min(max_batch_size, max_prefill_tokens) requests (more where one would pass max_model_len), a row of logits
+each, sampled with a sort of the whole vocabulary and 20 logprobs. The CUDA graphs' memory pools are measured
+the same way before they exist: the prompt-step pieces as an eager step of `cuda_graph_max_tokens` tokens,
+the decode graphs as a step of their largest batch, plus the logits each decode graph keeps (and each of a
+draft model's or EAGLE-3 head's graphs, whose steps are smaller than the model's). Then
 
     KV cache = free memory - (1 - u) x total - largest step - CUDA graph pools - MARGIN
 
@@ -138,14 +138,23 @@ def measure(engine, graph_tokens: int, graph_batch: int) -> MemoryPlan:
     return MemoryPlan(total, keep_free, held, step, graphs, room - step - graphs - MARGIN)
 
 
+def step_lens(tokens: int, rows: int, longest: int) -> list[int]:
+    """The requests' lengths of a step of `tokens` tokens: rows - 1 of one token, the rest in requests of at
+    most `longest` (max_model_len) tokens, as a scheduler's step could hold them. A position past the model's
+    span would read past its RoPE table."""
+    rest = tokens - rows + 1
+    return [1] * (rows - 1) + [min(longest, rest - i) for i in range(0, rest, longest)]
+
+
 @torch.inference_mode()
 def profile_step(engine, tokens: int, rows: int, sampled: bool) -> int:
-    """Peak bytes an eager prompt step of `tokens` tokens over `rows` requests takes (rows - 1 of one token,
-    one of the rest), on a scratch KV cache that is not counted. With `sampled`, the step as the engine runs
-    it: its attention backend's buffers counted, and rank 0 samples every row with a full sort of the
-    vocabulary and takes 20 logprobs; without, what a CUDA graph of the step holds."""
+    """Peak bytes an eager prompt step of `tokens` tokens over `rows` requests or more takes (`step_lens`), on
+    a scratch KV cache that is not counted. With `sampled`, the step as the engine runs it: its attention
+    backend's buffers counted, and rank 0 samples every row with a full sort of the vocabulary and takes 20
+    logprobs; without, what a CUDA graph of the step holds."""
     mc, dev, S = engine.model_cfg, engine.device, engine.cfg["kv_cache"]["page_size"]
-    lens = [1] * (rows - 1) + [tokens - rows + 1]
+    lens = step_lens(tokens, rows, engine.max_model_len)
+    rows = len(lens)
     pages = [pages_for(n, S) for n in lens]
     kv = KVCache(mc.num_layers, sum(pages), S, engine.kv_heads_local, mc.head_dim, engine.dtype, dev)
     qkv, scratch_pages = engine.model.model.layers[0].self_attn.qkv_proj, kv.num_pages
