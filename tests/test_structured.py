@@ -313,8 +313,8 @@ def test_a_large_batch_fills_its_masks_in_one_call_as_row_by_row(llm):
 def test_bench_structured_workload_reports_each_target(tmp_path):
     """launch/bench.py --workload structured on the demo model's shapes (random weights): latency and
     throughput runs with and without JSON schemas, the constrained ones as long as asked (random weights
-    rarely close a string) and each output under its constraint; the 20-field schema's compile times; a PASS
-    or FAIL line per target on stderr."""
+    rarely close a string) and each output under its constraint, with the host's milliseconds a masked step
+    by part; the 20-field schema's compile times; a PASS or FAIL line per target on stderr."""
     out, new = tmp_path / "bench.json", 24
     demo = ROOT / "configs" / "models" / "demo"
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo), "--engine", "ours",
@@ -329,6 +329,11 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
         assert constrained["complete"] + constrained["incomplete"] == n
         assert plain["complete"] + plain["incomplete"] == 0
         assert constrained["output_tokens"] >= 0.9 * new * n, res[name]
+        # the host's share of a masked step, by part: every step of the run after the first masks
+        assert new - 1 <= constrained["masked_steps"] <= constrained["output_tokens"], constrained
+        assert constrained["mask_host_ms_per_step"].keys() == {"wait", "take", "fill", "apply"}
+        assert all(v >= 0 for v in constrained["mask_host_ms_per_step"].values())
+        assert constrained["mask_host_ms_per_step"]["fill"] > 0 and "masked_steps" not in plain
     assert res["compile"]["fields"] == 20 and res["compile"]["first_ms"] > res["compile"]["cached_ms"] > 0
     assert res["targets"].keys() == {"latency", "throughput", "compile_cached_ms"}
     for name, target in res["targets"].items():

@@ -8,6 +8,8 @@ overlaps the forward on the GPU) and feeds it ahead of `Scheduler.update`.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tp_engine.runtime.request import RequestState
@@ -28,6 +30,8 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
         return logits
     if grammars is None:
         raise RuntimeError("this engine was built without a grammar compiler (Grammars)")
+    clock = time.perf_counter
+    start, waited = clock(), 0.0
     in_flight = None
     bitmask = grammars.bitmask(len(plan.reqs))
     active = []  # (row, matcher) of the rows whose next token the grammar decides
@@ -38,17 +42,23 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
         pending = None
         if plan.ref_rows[i] is not None:  # its newest token is row ref_rows[i] of the step before
             if in_flight is None:
+                w = clock()
                 if previous.done is not None:
                     previous.done.synchronize()
                 in_flight = previous.tokens.tolist()
+                waited = clock() - w
             pending = in_flight[plan.ref_rows[i]]
         r.matcher.catch_up(r.out.output_ids, pending)
         if r.matcher.active:  # else free text (a think block) or a token the request drops
             active.append((i, r.matcher))
     if not active:
         return logits
+    filled = clock()
     grammars.fill(bitmask, active)
-    return mask_logits(logits, bitmask)
+    applied = clock()
+    out = mask_logits(logits, bitmask)
+    grammars.count(wait=waited, take=filled - start - waited, fill=applied - filled, apply=clock() - applied)
+    return out
 
 
 def follow_tokens(sched: Scheduler, got: list[RequestState]) -> list[RequestState]:

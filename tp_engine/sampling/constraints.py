@@ -57,6 +57,10 @@ class Grammars:
         self._compiler = None
         self._compiled: dict[tuple[str, str], Any] = {}
         self._batch = None  # xgrammar's BatchGrammarMatcher: the masks of a large batch on several threads
+        # rank 0's host seconds over the steps that masked, by part: waiting for the step before's tokens,
+        # the matchers taking them, filling the masks, putting them on the logits (launches only)
+        self.host_s = dict.fromkeys(("wait", "take", "fill", "apply"), 0.0)
+        self.masked_steps = 0
 
     def _compiler_for(self, kind: str):
         if self._compiler is None:
@@ -109,6 +113,12 @@ class Grammars:
         self._batch.batch_fill_next_token_bitmask([m.m for _, m in rows], bitmask, [row for row, _ in rows])
         for row, m in rows:
             m.allow_opening(bitmask, row)
+
+    def count(self, **seconds: float) -> None:
+        """One masked step's host seconds by part (`host_s`)."""
+        self.masked_steps += 1
+        for part, t in seconds.items():
+            self.host_s[part] += t
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """[rows, vocab / 32] int32, every token allowed."""
