@@ -58,7 +58,8 @@ class Grammars:
         self._compiled: dict[tuple[str, str], Any] = {}
         self._batch = None  # xgrammar's BatchGrammarMatcher: the masks of a large batch on several threads
         # rank 0's host seconds over the steps that masked, by part: waiting for the step before's tokens,
-        # the matchers taking them, filling the masks, putting them on the logits (launches only)
+        # the matchers taking them (with the step's bitmask allocated), filling the masks, putting them on
+        # the logits (launches only)
         self.host_s = dict.fromkeys(("wait", "take", "fill", "apply"), 0.0)
         self.masked_steps = 0
 
