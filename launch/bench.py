@@ -147,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="long_prompt: attention spans to measure each cost at, in place of the model's, "
                         "e.g. 1920,960")
     p.add_argument("--profile", action="store_true", help="latency: step-time breakdown from torch.profiler")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="with --profile: the profiled steps' timeline as a Chrome trace (rank 0)")
     p.add_argument("--force-accept", type=float, default=None, metavar="L",
                    help="with speculative.method set (--set): each verifying request takes L tokens a step "
                         "on average, whatever the target says (random weights accept almost nothing): times "
@@ -412,7 +414,7 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
     if engine.tp.is_first and plans:
         res["latency"]["direct_plan"] = sum(f is not None for f in plans.values()) == len(plans)
     if args.profile:
-        breakdown = profile_decode(engine, one, min(args.new_tokens, 24))
+        breakdown = profile_decode(engine, one, min(args.new_tokens, 24), args.trace)
         if engine.tp.is_first:
             lat = res["latency"]
             if "gpu_busy" in breakdown:  # the profiler slows the host down: take the step time measured above
@@ -421,8 +423,9 @@ def bench_latency(engine: Engine, args, res: dict) -> None:
             lat["breakdown_per_step_us"] = breakdown
 
 
-def profile_decode(engine: Engine, one, n_new: int) -> dict:
-    """Per decode step: GPU time by kernel family (torch.profiler) and the host time no kernel covers."""
+def profile_decode(engine: Engine, one, n_new: int, trace: str | None = None) -> dict:
+    """Per decode step: GPU time by kernel family (torch.profiler) and the host time no kernel covers;
+    the steps' timeline to `trace` (a Chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -439,6 +442,8 @@ def profile_decode(engine: Engine, one, n_new: int) -> dict:
         return {}
     sync()
     prof.stop()
+    if trace:
+        prof.export_chrome_trace(trace)
     steps = len(times) - 1
     families = {"attention": 0.0, "matmul": 0.0, "all_reduce": 0.0, "norm_rope_act": 0.0, "other": 0.0}
     names: dict[str, float] = {}

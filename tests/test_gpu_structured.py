@@ -143,3 +143,23 @@ def test_constrained_and_unconstrained_prompts_share_graph_batches(engine, hf_bf
             assert "constraint" not in out and len(out["output_token_ids"]) == 24
         else:
             assert_matches(out, k)
+
+
+def test_mask_kernel_equals_the_torch_masking():
+    """The fused kernel puts a step's masks on the logits as the torch code does, bit for bit: rows with
+    and without a mask, a mask of fewer words than the padded vocabulary needs, every bit of a word
+    (bit 31 the int32's sign), fp32 and bf16 logits; the logits stay as they are."""
+    import torch
+
+    from tp_engine.kernels import grammar_mask
+    from tp_engine.sampling.grammar_masks import mask_logits
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(5, 151936, generator=g).to(dtype)
+        masks = torch.randint(-2**31, 2**31, (3, 4740), generator=g, dtype=torch.int64).to(torch.int32)
+        slots = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
+        want = mask_logits(logits, masks, slots)
+        got = grammar_mask.mask_logits(logits.to(DEV), masks.to(DEV), slots.to(DEV))
+        assert torch.equal(got.cpu(), want), dtype
+        assert torch.isinf(want[0, 32 * 4740:]).all() and torch.equal(want[1], logits[1])

@@ -281,32 +281,57 @@ def test_a_first_token_that_may_open_a_think_block_is_allowed_beside_the_grammar
         assert not bitmask[1].any() and m.active and m.think_end is None
 
 
-def test_a_large_batch_fills_its_masks_in_one_call_as_row_by_row(llm):
-    """From BATCH_FILL constrained rows on, one xgrammar call over its threads fills the step's masks: the
-    same bits as one matcher at a time, each of the four kinds at several places in its grammar, a first
-    token that may open a think block included."""
-    from tp_engine.sampling.constraints import BATCH_FILL
+def test_masks_filled_on_threads_equal_row_by_row(llm):
+    """From SERIAL_BELOW rows on, one xgrammar call fills a step's masks on several threads: the same bits
+    as one matcher at a time, for each of the four kinds at several places in its grammar, a first token
+    that may open a think block included, into rows that a step before left dirty."""
+    from tp_engine.sampling.grammar_masks import SERIAL_BELOW, StepMasks
 
     grammars = llm.engine.grammars
-    rows = []
-    for kind, value in CONSTRAINTS.items():
-        for steps in range(3):  # at the grammar's start, and after one and two tokens it allows
-            opening = kind == "choice" and steps == 0
-            m = grammars.matcher(SamplingParams(**{kind: value}), *((7, 63) if opening else ()))
-            taken: list[int] = []
-            for _ in range(steps):
-                allowed = grammars.bitmask(1)
-                m.fill(allowed, 0)
-                taken.append(next(t for t in range(2048) if (int(allowed[0, t // 32]) >> (t % 32)) & 1))
-                m.catch_up(taken)
-            rows.append(m)
-    assert len(rows) >= BATCH_FILL
-    one, batch = grammars.bitmask(len(rows) + 1), grammars.bitmask(len(rows) + 1)
+
+    def matchers() -> list:
+        out = []
+        for kind, value in CONSTRAINTS.items():
+            for steps in range(3):  # at the grammar's start, and after one and two tokens it allows
+                opening = kind == "choice" and steps == 0
+                m = grammars.matcher(SamplingParams(**{kind: value}), *((7, 63) if opening else ()))
+                taken: list[int] = []
+                for _ in range(steps):
+                    allowed = torch.zeros(1, 64, dtype=torch.int32)
+                    m.fill(allowed, 0)
+                    taken.append(next(t for t in range(2048) if (int(allowed[0, t // 32]) >> (t % 32)) & 1))
+                    m.catch_up(taken)
+                out.append(m)
+        return out
+    rows = matchers()
+    assert len(rows) >= SERIAL_BELOW
+    one = torch.zeros(len(rows), 64, dtype=torch.int32)
     for i, m in enumerate(rows):
-        m.fill(one, i + 1)
-    grammars.fill(batch, [(i + 1, m) for i, m in enumerate(rows)])
-    assert torch.equal(one, batch)
-    assert len({tuple(r.tolist()) for r in one[1:]}) > len(CONSTRAINTS)  # rows differ: a wrong row would show
+        m.fill(one, i)
+    masks = StepMasks(2048, threads=3)
+    many = masks.buffer(len(rows), len(rows), pinned=False)
+    many.fill_(0x5A5A5A5A)  # what a step before left: every row is written whole
+    masks.fill(many, list(enumerate(rows)))
+    assert torch.equal(one, many)
+    assert len({tuple(r.tolist()) for r in one}) > len(CONSTRAINTS)  # rows differ: a wrong row would show
+
+
+def test_mask_logits_keeps_each_rows_allowed_tokens():
+    """Row b keeps the tokens of mask slots[b] (bit j of word w: token 32 w + j, bit 31 the int32's sign)
+    and is -inf elsewhere, vocabulary padding past the mask's words included; a row without a slot and
+    the logits themselves stay as they are."""
+    from tp_engine.sampling.grammar_masks import mask_logits
+
+    logits = torch.randn(3, 100)
+    masks = torch.zeros(2, 3, dtype=torch.int32)  # 96 tokens: 96..99 are padding
+    masks[0, 0] = 1 << 5
+    masks[0, 2] = -(1 << 31)  # token 95
+    masks[1, 1] = 1 << 0  # token 32
+    got = mask_logits(logits, masks, torch.tensor([1, -1, 0], dtype=torch.int32))
+    kept = [torch.isfinite(row).nonzero().flatten().tolist() for row in got]
+    assert kept == [[32], list(range(100)), [5, 95]]
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[2, [5, 95]], logits[2, [5, 95]])
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from tp_engine.runtime.replicas import follow_share, release, run_job, run_share
 from tp_engine.runtime.request import RequestOutput
 from tp_engine.runtime.request_checks import constraint_problem, prompt_problem
 from tp_engine.sampling.constraints import Grammars
+from tp_engine.sampling.grammar_masks import default_threads
 from tp_engine.frontend.stop_strings import RequestStops, StopStrings
 from tp_engine.frontend.token_stream import TextStreams, TokenUpdate
 
@@ -91,7 +92,7 @@ class LLM:
         self.prompts = PromptEncoder.from_config(self.cfg, python=True)
         mc = self.engine.model_cfg  # output constraints compile with the checkpoint's tokenizer, once each
         self.engine.grammars = Grammars(functools.partial(load_tokenizer, self.cfg["model"]), mc.vocab_size,
-                                        mc.eos_token_ids)
+                                        mc.eos_token_ids, default_threads(self.tp.size))
         bad = constraint_problem(self.engine, sampling_params_from(self.cfg))  # the same on every rank
         if bad:
             raise tpd.StartupError(f"config key {bad}")  # a config error: status 2 from the command line

@@ -67,13 +67,14 @@ def available() -> bool:
 
 def _ops() -> SimpleNamespace:
     # the kernel modules import the helpers below from this one
-    from . import fp8, gemv, mlp, moe, norm, sampling
+    from . import fp8, gemv, grammar_mask, mlp, moe, norm, sampling
 
     return SimpleNamespace(add_rmsnorm=norm.add_rmsnorm, qk_norm_rope_store=norm.qk_norm_rope_store,
                            silu_mul=norm.silu_mul, gate_up_silu=mlp.gate_up_silu, linear=gemv.linear,
                            argmax=sampling.argmax, gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens,
                            topk_candidates=sampling.topk_candidates, draw_among=sampling.draw_among,
+                           mask_logits=grammar_mask.mask_logits,
                            moe_topk_softmax=moe.topk_softmax,
                            fused_moe=moe.fused_moe, fp8_linear=fp8.linear)
 
@@ -81,8 +82,8 @@ def _ops() -> SimpleNamespace:
 def select(device: torch.device, mode: str = "auto", fp8: bool = False) -> SimpleNamespace | None:
     """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None (the
     torch code). The kernels: an object with add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear,
-    argmax, gumbel_argmax, resolve_tokens, topk_candidates, draw_among, moe_topk_softmax, fused_moe and
-    fp8_linear.
+    argmax, gumbel_argmax, resolve_tokens, topk_candidates, draw_among, mask_logits, moe_topk_softmax,
+    fused_moe and fp8_linear.
 
     auto: the kernels on CUDA when Triton imports and the self-test passes, else None (with a warning);
     on: the same, but a missing Triton or a failed self-test raises ValueError; off: None. fp8: the model has
@@ -135,6 +136,10 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         ones = torch.ones(2, dtype=torch.int64, device=device)
         picked = ops.draw_among(logits, rows2, temps2, top, ones, ones.float(), ones)  # top_k 1: the largest
         assert torch.equal(picked, top[:, 0])
+        masks = torch.tensor([[0] * 155 + [1 << 4] + [0] * 1], dtype=torch.int32, device=device)  # token 4964
+        masked = ops.mask_logits(logits, masks, torch.tensor([-1, 0], dtype=torch.int32, device=device))
+        assert torch.equal(masked[0], logits[0]) and masked[1].argmax() == 4964
+        assert masked[1].isinf().sum() == 4999
         cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)
         qkv = torch.randn(2, 3 * 128, device=device, generator=g).to(dt)
         cos = torch.ones(8, 128, device=device)

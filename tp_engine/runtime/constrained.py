@@ -16,11 +16,12 @@ from tp_engine.runtime.request import RequestState
 from tp_engine.runtime.scheduler import Scheduler
 from tp_engine.runtime.step_plan import Plan
 from tp_engine.runtime.step_tokens import Issued
-from tp_engine.sampling.constraints import Grammars, has_constraint, mask_logits
+from tp_engine.sampling.constraints import Grammars, has_constraint
+from tp_engine.sampling.grammar_masks import mask_logits
 
 
-def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
-              grammars: Grammars | None) -> torch.Tensor:
+def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None, grammars: Grammars | None,
+              ops=None) -> torch.Tensor:
     """The step's logits [B, V] with the tokens each constrained row's grammar forbids set to -inf (the same
     tensor when no row is constrained). `previous`: the step issued before, whose tokens are still in flight.
     A request whose prompt opens a think block is free up to its `think_end` token, constrained after it;
@@ -31,33 +32,35 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None,
     if grammars is None:
         raise RuntimeError("this engine was built without a grammar compiler (Grammars)")
     clock = time.perf_counter
-    start, waited = clock(), 0.0
+    waited = clock()
     in_flight = None
-    bitmask = grammars.bitmask(len(plan.reqs))
-    active = []  # (row, matcher) of the rows whose next token the grammar decides
-    for i in rows:
+    if any(plan.ref_rows[i] is not None for i in rows):  # a newest token is a row of the step before
+        if previous.done is not None:
+            previous.done.synchronize()
+        in_flight = previous.tokens.tolist()
+    start = clock()
+    masks = grammars.masks
+    buffer = masks.buffer(len(rows), len(plan.reqs), logits.is_cuda)
+    active = []  # (its row of the buffer, matcher) of the rows whose next token the grammar decides
+    for j, i in enumerate(rows):
         r = plan.reqs[i]
         if r.matcher is None:
             r.matcher = grammars.matcher(r.out.params, r.out.think_end, r.out.think_open)
-        pending = None
-        if plan.ref_rows[i] is not None:  # its newest token is row ref_rows[i] of the step before
-            if in_flight is None:
-                w = clock()
-                if previous.done is not None:
-                    previous.done.synchronize()
-                in_flight = previous.tokens.tolist()
-                waited = clock() - w
-            pending = in_flight[plan.ref_rows[i]]
-        r.matcher.catch_up(r.out.output_ids, pending)
+        ref = plan.ref_rows[i]  # its newest token is row `ref` of the step before
+        r.matcher.catch_up(r.out.output_ids, None if ref is None else in_flight[ref])
         if r.matcher.active:  # else free text (a think block) or a token the request drops
-            active.append((i, r.matcher))
+            active.append((j, r.matcher))
     if not active:
         return logits
+    fed = clock()
+    masks.fill(buffer, active)
     filled = clock()
-    grammars.fill(bitmask, active)
-    applied = clock()
-    out = mask_logits(logits, bitmask)
-    grammars.count(wait=waited, take=filled - start - waited, fill=applied - filled, apply=clock() - applied)
+    slots = [-1] * len(plan.reqs)
+    for j, _ in active:
+        slots[rows[j]] = j
+    on_device, slot_rows = masks.to_device(len(rows), slots, logits.device)
+    out = mask_logits(logits, on_device, slot_rows, ops)
+    grammars.count(wait=start - waited, take=fed - start, fill=filled - fed, apply=clock() - filled)
     return out
 
 

@@ -253,7 +253,7 @@ class Engine:
         sched.commit(plan)  # from here the scheduler counts the step as issued
         batch = decode_message(comm.broadcast_ints(message.encode(), self.tp), self.tables)
         logits = self.forward(batch)[: len(params)]
-        allowed = mask_step(logits, plan, previous, self.grammars)  # before any filter
+        allowed = mask_step(logits, plan, previous, self.grammars, self.ops)  # before any filter
         sampled = sample(allowed, params, seeds, steps, self.ops)
         k = max(p.logprobs for p in params)
         logprobs = token_logprobs(logits, sampled, k, self.ops) if k else ()  # before temperature and filters

@@ -64,7 +64,8 @@ def issue_verified(engine, sched: Scheduler, plan: Plan,
     tokens = torch.zeros(0, dtype=torch.int64, device=logits.device)
     logprobs: tuple = ()
     if rest.reqs:
-        tokens = sample(mask_step(plain, rest, None, engine.grammars), params[V:], seeds[V:], steps[V:], ops)
+        allowed = mask_step(plain, rest, None, engine.grammars, ops)
+        tokens = sample(allowed, params[V:], seeds[V:], steps[V:], ops)
         k = max(p.logprobs for p in params[V:])
         logprobs = token_logprobs(plain, tokens, k, ops) if k else ()
     last = torch.tensor([t[-1] for t in verified], dtype=torch.int64, device=logits.device)

@@ -2,7 +2,7 @@
 
 An engine compiles each constraint once and keeps it by (kind, text) (`Grammars`); each constrained request
 has a matcher on the rank that samples (`Matcher`), fed the request's output tokens in order, once each; the
-step's mask of allowed tokens (`mask_logits`) sets the others to -inf before temperature, top-k and top-p.
+step's masks of allowed tokens (grammar_masks.py) set the others to -inf before temperature, top-k and top-p.
 xgrammar is imported only when a request has a constraint.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tp_engine.base.config_checks import CONSTRAINT_KEYS
+from tp_engine.sampling.grammar_masks import StepMasks, default_threads
 
 # xgrammar's messages start with a time and a source position: "[22:00:32] /project/cpp/x.cc:94: "
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-BATCH_FILL = 8  # constrained rows from which a step's masks are filled in one call, on xgrammar's threads
 
 
 class ConstraintError(ValueError):
@@ -49,17 +49,17 @@ def _choice_grammar(text: str) -> str:
 class Grammars:
     """One engine's compiled constraints by (kind, text), for every prompt and generate call it runs.
     `tokenizer()` gives (the checkpoint's tokenizer or None, why none); it is read on first use only.
-    `stop_ids`: the model's EOS ids, the tokens a grammar may end with."""
+    `stop_ids`: the model's EOS ids, the tokens a grammar may end with. `threads`: how many fill a step's
+    masks (grammar_masks.default_threads: this process's share of the node's cores)."""
 
     def __init__(self, tokenizer: Callable[[], tuple[Any, str]], vocab_size: int,
-                 stop_ids: Sequence[int]) -> None:
+                 stop_ids: Sequence[int], threads: int | None = None) -> None:
         self._tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
         self._compiler = None
         self._compiled: dict[tuple[str, str], Any] = {}
-        self._batch = None  # xgrammar's BatchGrammarMatcher: the masks of a large batch on several threads
+        self.masks = StepMasks(vocab_size, default_threads(1) if threads is None else threads)
         # rank 0's host seconds over the steps that masked, by part: waiting for the step before's tokens,
-        # the matchers taking them (with the step's bitmask allocated), filling the masks, putting them on
-        # the logits (launches only)
+        # the matchers taking them, filling the masks, the masks to the device and onto the logits (launches)
         self.host_s = dict.fromkeys(("wait", "take", "fill", "apply"), 0.0)
         self.masked_steps = 0
 
@@ -101,30 +101,11 @@ class Grammars:
         import xgrammar
         return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end, think_open)
 
-    def fill(self, bitmask: torch.Tensor, rows: list[tuple[int, "Matcher"]]) -> None:
-        """Each (row, matcher)'s allowed tokens into `bitmask`: one call over all of them for a batch of at
-        least BATCH_FILL rows, which xgrammar spreads over its threads (half the cores), else row by row."""
-        if len(rows) < BATCH_FILL:
-            for row, m in rows:
-                m.fill(bitmask, row)
-            return
-        if self._batch is None:
-            import xgrammar
-            self._batch = xgrammar.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask([m.m for _, m in rows], bitmask, [row for row, _ in rows])
-        for row, m in rows:
-            m.allow_opening(bitmask, row)
-
     def count(self, **seconds: float) -> None:
         """One masked step's host seconds by part (`host_s`)."""
         self.masked_steps += 1
         for part, t in seconds.items():
             self.host_s[part] += t
-
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """[rows, vocab / 32] int32, every token allowed."""
-        import xgrammar
-        return xgrammar.allocate_token_bitmask(rows, self.vocab_size)
 
 
 class Matcher:
@@ -183,17 +164,3 @@ class Matcher:
     def complete(self) -> bool:
         """The output so far is a whole match of the grammar (the stop token taken or not)."""
         return self.think_end is None and (self.m.is_terminated() or self.m.is_completed())
-
-
-def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] with the tokens `bitmask` [B, W] int32 (bit j of word w: token 32 w + j) does not allow
-    set to -inf, in one masked_fill on the logits' device; columns past 32 W (vocabulary padding) too. The
-    logits themselves are left as they are (logprobs are the model's)."""
-    dev, V = logits.device, logits.shape[-1]
-    if dev.type == "cuda":
-        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
-    W = bitmask.shape[-1]
-    ids = torch.arange(V, device=dev)
-    words = bitmask.to(dev)[:, (ids >> 5).clamp(max=W - 1)]
-    allowed = ((words >> (ids & 31)) & 1).bool() & (ids < 32 * W)
-    return logits.masked_fill(~allowed, float("-inf"))
