@@ -204,11 +204,12 @@ def test_the_summary_line_reports_acceptance(models, tmp_path):
 
 def drive(policy, batch: int, steps: int, cost: float, gain: float, switch: float = 0.0, catch: float = 0.0,
           behind: int = 0) -> tuple[list[int], float]:
-    """The policy's choices over `steps` steps of `batch` decoding requests (-k: a probe, where one request
-    drafts k), and the tokens a request gained per ms. A plain step takes 1 ms; a step of k drafts takes
-    1 + cost * k ms and gains 1 + gain * k tokens a request. A proposer `behind` by more than k_max + 2 tokens
-    (it sat out plain steps, or has not seen the prompt) first catches up, as speculation.py reports it:
-    `switch` ms and `catch` ms a token more. A probe costs a batch-th of a step's drafting and catch-up."""
+    """The policy's choices over `steps` steps of `batch` decoding requests (-k: a probe, where probe_rows
+    requests draft k), and the tokens a request gained per ms. A plain step takes 1 ms; a step of k drafts
+    takes 1 + cost * k ms and gains 1 + gain * k tokens a request. A proposer `behind` by more than k_max + 2
+    tokens (it sat out plain steps, or has not seen the prompt) first catches up, as speculation.py reports
+    it: `switch` ms and `catch` ms a token more. A probe costs its rows' share of a step's drafting and
+    catch-up."""
     seen, spent, gained = [], 0.0, 0.0
     for _ in range(steps):
         k = policy.choose(batch)
@@ -216,8 +217,10 @@ def drive(policy, batch: int, steps: int, cost: float, gain: float, switch: floa
         extra = cost * k + (switch + catch * behind if switching else 0)
         if policy.probe is not None:
             seen.append(-k)
-            ms, g = 1 + extra / batch, 1 + gain * k / batch
-            policy.count(k, gain * k, 1)
+            rows = min(policy.probe_rows, batch)
+            ms, g = 1 + extra * rows / batch, 1 + gain * k * rows / batch
+            policy.count(k * rows, gain * k * rows, rows)
+            policy.record_probe(batch, ms / 1000)
         else:
             seen.append(k)
             ms, g = 1 + extra, 1 + gain * k
@@ -427,14 +430,15 @@ def test_no_acceptance_anywhere_keeps_new_batch_sizes_plain():
 
     policy = SpecPolicy(4, adaptive=True)
     seen, _ = drive(policy, 64, 32, cost=1.0, gain=0.0, switch=10.0, behind=128)
-    assert seen[:3] == [0, 1, 1] and not any(seen[3:]), seen
+    assert seen[:2] == [0, -1] and not any(seen[2:]), seen  # no draft verified yet: a probe first
     for batch in (32, 16, 8, 4, 2, 1):  # requests finish: a class each 32 steps
         seen, rate = drive(policy, batch, PROBE_EVERY // 2, cost=1.0, gain=0.0, switch=10.0, behind=160)
         assert not any(seen) and rate == 1.0, (batch, seen)
     seen, _ = drive(policy, 1, 4 * PROBE_EVERY, cost=0.1, gain=0.9, behind=160)  # the text turns
     assert 0 < seen.index(1) <= PROBE_EVERY and seen[-PROBE_EVERY:].count(0) < PROBE_EVERY // 4, seen
     policy = SpecPolicy(4, adaptive=True)
-    drive(policy, 64, 32, cost=0.1, gain=0.9, switch=10.0, behind=128)
+    seen, _ = drive(policy, 64, 32, cost=0.1, gain=0.9, switch=10.0, behind=128)
+    assert seen[:4] == [0, -1, 1, 1], seen  # the probe's drafts are accepted: a whole look at once
     seen, _ = drive(policy, 32, 8, cost=0.1, gain=0.9, switch=10.0, behind=160)
     assert seen[:3] == [0, 1, 1], seen
 
@@ -448,7 +452,7 @@ def test_while_drafts_are_not_accepted_a_look_at_a_batch_is_a_probe():
     policy = SpecPolicy(4, adaptive=True)
     cost = {"switch": 40.0, "catch": 0.0}  # a catch-up over 64 requests' contexts
     seen, _ = drive(policy, 64, 32, cost=1.0, gain=0.0, behind=128, **cost)
-    assert seen[:3] == [0, 1, 1] and not any(seen[3:]), seen
+    assert seen[:2] == [0, -1] and not any(seen[2:]), seen
     seen, rate = drive(policy, 64, 4096, cost=1.0, gain=0.0, behind=160, **cost)
     probes = [i for i, k in enumerate(seen) if k < 0]
     assert min(seen) == -1 and max(seen) == 0 and 3 <= len(probes) <= 7 and rate > 0.99, (probes, rate)
@@ -456,6 +460,23 @@ def test_while_drafts_are_not_accepted_a_look_at_a_batch_is_a_probe():
     first = next(i for i, k in enumerate(seen) if k < 0)
     assert seen[first + 1:first + 3] == [1, 1], seen[first:first + 8]  # a whole look: catch-up, measure
     assert seen[-PROBE_EVERY:].count(0) < PROBE_EVERY // 4 and min(seen[first + 1:]) >= 0
+
+
+def test_the_first_look_at_a_large_batch_is_a_probe():
+    """No draft verified yet, at a batch of 64 whose proposer must catch up on every request's context
+    (40 plain steps' time): the first look is a probe of a few requests, not that whole catch-up, so at
+    acceptance 0 a run of 512 steps (a benchmark's length) keeps 97% of plain steps' rate; where drafts
+    are accepted, the probe costs at most 2% of what a whole first look gains."""
+    from tp_engine.speculative.policy import SpecPolicy
+
+    cost = {"switch": 40.0, "behind": 128}
+    seen, rate = drive(SpecPolicy(4, adaptive=True), 64, 512, cost=1.0, gain=0.0, **cost)
+    assert seen[:2] == [0, -1] and rate >= 0.97, (rate, [i for i, k in enumerate(seen) if k])
+    _, probing = drive(SpecPolicy(4, adaptive=True), 64, 512, cost=0.1, gain=0.9, **cost)
+    whole = SpecPolicy(4, adaptive=True)
+    whole.probe_rows = 64  # a probe as large as the batch: the first look is a whole one
+    seen, looking = drive(whole, 64, 512, cost=0.1, gain=0.9, **cost)
+    assert seen[:3] == [0, 1, 1] and probing >= 0.98 * looking, (probing, looking)
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
@@ -508,11 +529,13 @@ def test_the_latency_profile_breaks_a_speculating_step_down(tmp_path):
     assert 0 < spec["verifying_steps"] <= 24 and spec["switches"] >= 1 and spec["draft"] > 0, spec
 
 
-def test_a_probe_drafts_for_one_request_and_times_no_k(models, hf):
-    """A probe step (policy.probe set by `choose`) drafts for the one request whose proposer is least behind;
-    the policy counts its drafts (the acceptance) but gets no time for k; output is transformers' greedy."""
+def test_a_probe_drafts_for_a_few_requests_and_times_no_k(models, hf):
+    """A probe step (policy.probe set by `choose`) drafts for the probe_rows requests whose proposers are
+    least behind; the policy counts their drafts (the acceptance) but gets no time for k; output is
+    transformers' greedy."""
     llm = LLM(model=str(models["target"]), device="cpu", speculative=spec_of(models, "draft_self", 2, True))
     policy, counted, timed = llm.engine.spec.policy, [], []
+    policy.probe_rows = 2
     # a switch and its measure, two plain steps, then a probe of 2 drafts: (k, probe)
     script = iter([(1, False), (1, False), (0, False), (0, False), (2, True)])
     count = policy.count
@@ -534,5 +557,5 @@ def test_a_probe_drafts_for_one_request_and_times_no_k(models, hf):
         llm.shutdown()
     assert [o["output_token_ids"] for o in outs] == hf
     probes = [c for c in counted if c[3]]
-    assert probes == [(2, 2, 1, True)], counted[:8]  # one request drafted 2, both accepted
+    assert probes == [(4, 4, 2, True)], counted[:8]  # two requests drafted 2 each, all accepted
     assert timed == [1, 1], timed  # the switch and its measure; not the probe

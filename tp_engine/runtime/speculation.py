@@ -137,7 +137,8 @@ class Speculation:
             for r, d, v in zip(plan.reqs, plan.drafts, verified):
                 r.spec_cached += min(len(v) - 1, len(d) - 1)
         self.policy.count(sum(len(d) for d in plan.drafts), accepted, V)
-        if probing:  # one request drafted: the step times no k
+        if probing:  # a few requests drafted: the step times no k, only what the probe cost
+            self.policy.record_probe(decoding, time.perf_counter() - t0)
             return None
         gained = (accepted + len(plan.lens)) / len(plan.lens)
         seconds = time.perf_counter() - t0
@@ -149,17 +150,17 @@ class Speculation:
             self.policy.record(decoding, k, gained, seconds)
         return None
 
-    @staticmethod
-    def _may_draft(sched: Scheduler, probing: bool) -> Callable[[RequestState], bool]:
-        """Which decoding requests draft: those without an output constraint; in a probe, only the one of
-        them whose proposer is least behind (the cheapest catch-up), which measures the acceptance."""
+    def _may_draft(self, sched: Scheduler, probing: bool) -> Callable[[RequestState], bool]:
+        """Which decoding requests draft: those without an output constraint; in a probe, only the
+        `policy.probe_rows` of them whose proposers are least behind (the cheapest catch-up), which measure
+        the acceptance."""
         def free(r: RequestState) -> bool:
             return not has_constraint(r.out.params)
         if not probing:
             return free
-        one = min((r for r in sched.running if r.decoding and free(r)), default=None,
-                  key=lambda r: r.num_tokens - r.spec_cached)
-        return lambda r: r is one
+        few = sorted((r for r in sched.running if r.decoding and free(r)),
+                     key=lambda r: r.num_tokens - r.spec_cached)[:self.policy.probe_rows]
+        return lambda r: any(r is q for q in few)
 
     def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:
         """Each request takes its first a drafts and one more token, a chosen so that the mean of a + 1 is

@@ -16,15 +16,17 @@ class is a plain one and one in `PROBE_EVERY` a neighbouring k, so it follows th
 Acceptance is the same at any batch size, so while the recent drafts (of any class) are accepted less than
 `MIN_ACCEPT` of the time, a class not yet measured at k > 0 waits for a look instead of measuring one at
 once: no batch size gains from drafts that are not accepted. Such a look, at a batch of several requests,
-is a probe: one request drafts (the one whose proposer is least behind), which measures the acceptance for
-one request's catch-up, and only if its drafts are accepted does the next step look with every request.
+is a probe: `probe_rows` requests draft (those whose proposers are least behind), which measures the
+acceptance for their catch-up alone, and only if their drafts are accepted does the next step look with
+every request. So is the first look of a run at a batch of more than `probe_rows` requests, while no draft
+has been verified yet: a model proposer's first look catches it up on every request's whole context.
 
 A model proposer that sat out plain steps first catches up on the tokens it missed (a prefill of the draft
 over them): a cost of switching, not of speculating, so that step's time does not set k's rate. It is kept
 as the switch's cost in plain steps, and the step after it drafts the same k to measure it. While plain
 steps win, the policy looks at its best k > 0 again after `PROBE_EVERY` steps, then after twice as many each
-time that look loses, up to `LOOK_MOST`, and never sooner than keeps a look's switching under `LOOK_SHARE`
-of the plain steps' time.
+time that look loses, up to `LOOK_MOST`, and never sooner than keeps a look's switching (or a probe's
+cost, as measured) under `LOOK_SHARE` of the plain steps' time.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ LOOK_SHARE = 0.02  # of the plain steps' time, at most, spent switching to a los
 WEIGHT = 0.25  # of a new step in a running average
 MIN_ACCEPT = 0.1  # the share of drafts accepted below which speculating pays at no batch size
 EMPTY = 0.95  # a step that found nothing to draft: this share of a plain step's rate
+PROBE_ROWS = 8  # requests that draft in a probe: enough drafts to tell accepted from not
 
 
 @dataclass
@@ -72,10 +75,12 @@ class SpecPolicy:
         self.wait: dict[int, int] = {}  # class -> steps between looks at a k > 0 while plain steps win
         self.look_at: dict[int, int] = {}  # class -> its step of the next look, while plain steps win
         self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
+        self.probe_cost: dict[int, float] = {}  # class -> plain steps' time its latest probe cost
         self.hold: tuple[int, int] | None = None  # (class, k): the next step's k, if of that class
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.accept: float | None = None  # the share of drafts accepted, a running average over steps
-        self.probe: int | None = None  # the class whose next step is a probe (one request drafts)
+        self.probe: int | None = None  # the class whose next step is a probe (`probe_rows` requests draft)
+        self.probe_rows = PROBE_ROWS
         self.counts = SpecCounts()
 
     @staticmethod
@@ -97,6 +102,9 @@ class SpecPolicy:
             return 0
         top = max(rates)  # the most drafts measured: one more while each k has beaten the one before
         if top < self.k_max and (top == 0 or rates[top] > rates[top - 1]):
+            if top == 0 and self.accept is None and batch > self.probe_rows:
+                self.probe = c  # no draft verified yet: a few requests measure the acceptance first
+                return 1
             if top or self.accept is None or self.accept >= MIN_ACCEPT:
                 return top + 1
         best = max(rates, key=rates.get)
@@ -110,9 +118,11 @@ class SpecPolicy:
         # plain steps win: look at the best k > 0 again, less often each time it loses
         wait = self.wait.setdefault(c, PROBE_EVERY)
         probe = batch > 1 and self.accept is not None and self.accept < MIN_ACCEPT
-        if c not in self.look_at:  # a probe catches up one request: about a batch-th of a switch's cost
-            switch = self.switch.get(c, 0.0) / (batch if probe else 1)
-            self.look_at[c] = n + max(wait, round(switch / LOOK_SHARE))
+        if c not in self.look_at:  # a probe catches up a few requests: that share of a switch's cost
+            cost = self.switch.get(c, 0.0)
+            if probe:
+                cost = max(cost * min(self.probe_rows, batch) / batch, self.probe_cost.get(c, 0.0))
+            self.look_at[c] = n + max(wait, round(cost / LOOK_SHARE))
         if n < self.look_at[c]:
             return 0
         self.wait[c] = min(2 * wait, LOOK_MOST)
@@ -146,6 +156,14 @@ class SpecPolicy:
         if plain and seconds > 0:
             self.switch[c] = max(seconds * plain - tokens_per_request, 0.0)
         self.hold = c, k
+
+    def record_probe(self, batch: int, seconds: float) -> None:
+        """A probe at `batch` decoding requests took `seconds`: beyond the plain step it stands for, its cost
+        keeps the probes of its class apart (LOOK_SHARE)."""
+        c = self.size_class(batch)
+        plain = self.rate.get(c, {}).get(0)
+        if plain and seconds > 0:
+            self.probe_cost[c] = max(seconds * plain - 1.0, 0.0)
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
