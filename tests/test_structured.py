@@ -282,10 +282,10 @@ def test_a_first_token_that_may_open_a_think_block_is_allowed_beside_the_grammar
 
 
 def test_masks_filled_on_threads_equal_row_by_row(llm):
-    """From SERIAL_BELOW rows on, one xgrammar call fills a step's masks on several threads: the same bits
-    as one matcher at a time, for each of the four kinds at several places in its grammar, a first token
-    that may open a think block included, into rows that a step before left dirty."""
-    from tp_engine.sampling.grammar_masks import SERIAL_BELOW, StepMasks
+    """One xgrammar call fills a step's masks on several threads (ROWS_PER_THREAD rows a thread at least):
+    the same bits as one matcher at a time, for each of the four kinds at several places in its grammar, a
+    first token that may open a think block included, into rows that a step before left dirty."""
+    from tp_engine.sampling.grammar_masks import ROWS_PER_THREAD, StepMasks
 
     grammars = llm.engine.grammars
 
@@ -304,7 +304,7 @@ def test_masks_filled_on_threads_equal_row_by_row(llm):
                 out.append(m)
         return out
     rows = matchers()
-    assert len(rows) >= SERIAL_BELOW
+    assert len(rows) >= 3 * ROWS_PER_THREAD  # three threads
     one = torch.zeros(len(rows), 64, dtype=torch.int32)
     for i, m in enumerate(rows):
         m.fill(one, i)

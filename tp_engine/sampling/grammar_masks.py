@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-SERIAL_BELOW = 8  # constrained rows under which the calling thread fills them itself, one by one
+ROWS_PER_THREAD = 4  # at least, so that starting a thread (xgrammar starts them each call) pays
 
 
 def default_threads(ranks: int) -> int:
@@ -32,7 +32,7 @@ class StepMasks:
 
     def __init__(self, vocab_size: int, threads: int) -> None:
         self.words, self.threads = (vocab_size + 31) // 32, max(1, threads)
-        self._batch = None  # xgrammar's BatchGrammarMatcher, which fills rows on its own threads
+        self._batches: dict = {}  # threads -> xgrammar's BatchGrammarMatcher, which fills rows on them
         self._host: torch.Tensor | None = None  # int32: the masks, row after row, then the step's slots
         self._copied: torch.cuda.Event | None = None  # recorded after the latest copy out of _host
 
@@ -50,16 +50,18 @@ class StepMasks:
         return self._host[:rows * self.words].view(rows, self.words)
 
     def fill(self, buffer: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
-        """Each (j, matcher)'s allowed tokens into row j of `buffer`: row by row under SERIAL_BELOW rows (or
-        with one thread), else in one xgrammar call over the threads."""
-        if len(rows) < SERIAL_BELOW or self.threads == 1:
+        """Each (j, matcher)'s allowed tokens into row j of `buffer`: in one xgrammar call over up to
+        `threads` threads, ROWS_PER_THREAD rows a thread at least; row by row where that is one thread."""
+        threads = min(self.threads, len(rows) // ROWS_PER_THREAD)
+        if threads <= 1:
             for j, m in rows:
                 m.fill(buffer, j)
             return
-        if self._batch is None:
+        if threads not in self._batches:
             import xgrammar
-            self._batch = xgrammar.BatchGrammarMatcher(self.threads)
-        self._batch.batch_fill_next_token_bitmask([m.m for _, m in rows], buffer, [j for j, _ in rows])
+            self._batches[threads] = xgrammar.BatchGrammarMatcher(threads)
+        self._batches[threads].batch_fill_next_token_bitmask([m.m for _, m in rows], buffer,
+                                                             [j for j, _ in rows])
         for j, m in rows:
             m.allow_opening(buffer, j)
 
@@ -76,6 +78,7 @@ class StepMasks:
         else:
             both = self._host[:n + b].clone()
         return both[:n].view(rows, self.words), both[n:]
+
 
 def mask_logits(logits: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor, ops=None) -> torch.Tensor:
     """A copy of `logits` [B, V] in which row b, if slots[b] >= 0, keeps only the tokens its mask
