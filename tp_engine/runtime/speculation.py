@@ -158,9 +158,9 @@ class Speculation:
             return not has_constraint(r.out.params)
         if not probing:
             return free
-        few = sorted((r for r in sched.running if r.decoding and free(r)),
-                     key=lambda r: r.num_tokens - r.spec_cached)[:self.policy.probe_rows]
-        return lambda r: any(r is q for q in few)
+        few = {id(r) for r in sorted((r for r in sched.running if r.decoding and free(r)),
+                                     key=lambda r: r.num_tokens - r.spec_cached)[:self.policy.probe_rows]}
+        return lambda r: id(r) in few
 
     def forced(self, drafts: list[list[int]], verified: list[list[int]]) -> list[list[int]]:
         """Each request takes its first a drafts and one more token, a chosen so that the mean of a + 1 is

@@ -71,12 +71,12 @@ class StepMasks:
         in one copy that does not hold the host up."""
         n, b = rows * self.words, len(slots)
         self._host[n:n + b] = torch.tensor(slots, dtype=torch.int32)
+        both = self._host[:n + b]
         if device.type == "cuda":
-            both = self._host[:n + b].to(device, non_blocking=True)
+            both = both.to(device, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        else:
-            both = self._host[:n + b].clone()
+        # on the CPU the host rows themselves: the step is done with them before the next one fills them
         return both[:n].view(rows, self.words), both[n:]
 
 
