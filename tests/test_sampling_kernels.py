@@ -1,6 +1,7 @@
 """The top-k / top-p kernels (tp_engine/kernels/sampling.py) in Triton's interpreter, without a GPU: the
 candidates' ids equal torch.topk over topk_sampling's order keys (value descending, then id ascending) on rows
-with ties, signed zeros, -inf and equal maxima on both sides of a chunk boundary; the draw among them equals
+with ties, signed zeros, -inf and equal maxima on both sides of a chunk boundary, and over many chunks whose
+largest keys decide what each chunk keeps (a row's whole top in one chunk); the draw among them equals
 topk_sampling.draw_among. On CUDA, tests/test_gpu_sampling.py
 holds the whole draw to the CPU reference. Skips without Triton (it comes with CUDA builds of torch)."""
 import os
@@ -34,6 +35,20 @@ found = {}
 for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
     got = found[k] = sampling.topk_candidates(x, rows, temps, k)
     ref = order_key(x[rows] / temps[:, None]).topk(k, dim=-1, sorted=True).indices
+    assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
+
+# many chunks (a small block), so the floor taken from the chunks' maxima decides what each chunk keeps
+y = torch.randn(6, 40 * 64 + 17, generator=gen) * 3
+y[0, 128:192] = 10 + torch.rand(64, generator=gen)  # the whole top in one chunk, more keys than k there
+y[1] = (y[1] * 2).round() / 2
+y[2] = 0.0  # every key equal but for its id
+y[3, 7:] = float("-inf")  # fewer finite values than k
+y[4, 900] = float("nan")
+y_rows = torch.tensor([0, 1, 2, 3, 4, 5, 0])
+y_temps = torch.tensor([1.0, 0.6, 1.0, 0.9, 1.0, 1.3, 0.01])
+for k in (1, 5, 20, 33, sampling.TOPK_MAX_K):
+    got = sampling.topk_candidates(y, y_rows, y_temps, k, block=64)
+    ref = order_key(y[y_rows] / y_temps[:, None]).topk(k, dim=-1, sorted=True).indices
     assert torch.equal(got, ref), (k, (got != ref).nonzero()[:5])
 
 # the draw among the candidates against topk_sampling.draw_among, with top-k and top-p masks of every kind

@@ -12,8 +12,9 @@ where torch would), so swapping one for the other changes results only through t
   that measures faster than the two.
 - kernels/sampling.py: `argmax` (greedy) and `gumbel_argmax` (the sampler's temperature + hashed Gumbel
   noise + argmax), each one launch reading the logits once, `topk_candidates` and `draw_among` (top-k /
-  top-p sampling: each row's top-k ids in one pass, then the draw among them) and `resolve_tokens` (the
-  previous step's sampled tokens into the step's input ids, and each token's K/V cache rows).
+  top-p sampling: each row's top-k ids from two reads of its logits, then the draw among them) and
+  `resolve_tokens` (the previous step's sampled tokens into the step's input ids, and each token's K/V
+  cache rows).
 - kernels/moe.py (with kernels/moe_grouped.py): `moe_topk_softmax` (the router's softmax and top-k) and
   `fused_moe` (each token's k experts and their weighted sum, layers/moe.py).
 - kernels/fp8.py (with kernels/fp8_gemm.py): `fp8_linear`, the matmul with block-FP8 weights (layers/fp8.py):

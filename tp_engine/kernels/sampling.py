@@ -1,5 +1,5 @@
 """The sampler's draws and the step's token references, fused: the arg-max over the vocabulary (greedy, or of
-temperature + hashed Gumbel noise) in one launch; the top-k candidates of each row in one pass over the
+temperature + hashed Gumbel noise) in one launch; the top-k candidates of each row in two reads of the
 logits; and the previous step's tokens into the step's input ids."""
 from __future__ import annotations
 
@@ -65,30 +65,48 @@ if triton is not None:
             tl.store(count_ptr + r, 0)
 
     @triton.jit
-    def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, keys_ptr, vocab, num_chunks,
-                          K: tl.constexpr, BLOCK: tl.constexpr):
-        """The K largest order keys (topk_sampling.order_key of logits / temperature) of one chunk of a
-        row."""
+    def _order_keys(logits_ptr, stride, rows_ptr, temp_ptr, vocab, BLOCK: tl.constexpr):
+        """The order keys (topk_sampling.order_key of logits / temperature) of this program's chunk of its
+        row; lanes past the vocabulary get one below every real key (the largest NaN's)."""
         r = tl.program_id(0)
-        chunk = tl.program_id(1)
         row = tl.load(rows_ptr + r).to(tl.int64)
-        temp = tl.load(temp_ptr + r)
-        ids = chunk * BLOCK + tl.arange(0, BLOCK)
+        ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = ids < vocab
         x = tl.math.div_rn(tl.load(logits_ptr + row * stride + ids, mask=mask, other=0.0).to(tl.float32),
-                           temp)
+                           tl.load(temp_ptr + r))
         bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))  # -0.0 ranks as +0.0
         # every NaN as the positive one: first (topk_sampling.order_key)
         bits = tl.where(x != x, 0x7FC00000, bits)
         bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: negative floats reverse their order
         key = (bits.to(tl.int64) << 32) | (vocab - 1 - ids).to(tl.int64)
-        smallest = -9223372036854775807 - 1  # below every real key (the largest NaN's), never a candidate
-        key = tl.where(mask, key, smallest)
-        out = keys_ptr + (r.to(tl.int64) * num_chunks + chunk) * K
-        for i in tl.static_range(K):  # keys are unique: each round removes exactly the one it stored
-            best = tl.max(key, axis=0)
+        return tl.where(mask, key, -9223372036854775807 - 1)
+
+    @triton.jit
+    def _chunk_max_kernel(logits_ptr, stride, rows_ptr, temp_ptr, max_ptr, vocab, num_chunks,
+                          BLOCK: tl.constexpr):
+        """The largest order key of one chunk of a row."""
+        key = _order_keys(logits_ptr, stride, rows_ptr, temp_ptr, vocab, BLOCK)
+        tl.store(max_ptr + tl.program_id(0).to(tl.int64) * num_chunks + tl.program_id(1), tl.max(key, axis=0))
+
+    @triton.jit
+    def _topk_keys_kernel(logits_ptr, stride, rows_ptr, temp_ptr, floor_ptr, keys_ptr, vocab, num_chunks,
+                          K: tl.constexpr, BLOCK: tl.constexpr):
+        """The largest order keys of one chunk of a row, at most K and none below the row's floor; the
+        chunk's other K slots get the smallest key."""
+        r = tl.program_id(0)
+        key = _order_keys(logits_ptr, stride, rows_ptr, temp_ptr, vocab, BLOCK)
+        smallest = -9223372036854775807 - 1
+        out = keys_ptr + (r.to(tl.int64) * num_chunks + tl.program_id(1)) * K
+        tl.store(out + tl.arange(0, K), tl.full([K], smallest, tl.int64))
+        tl.debug_barrier()  # the slots are cleared before any round writes one
+        floor = tl.load(floor_ptr + r)
+        best = tl.max(key, axis=0)
+        i = 0
+        while (i < K) & (best >= floor):  # keys are unique: each round removes exactly the one it stored
             tl.store(out + i, best)
             key = tl.where(key == best, smallest, key)
+            best = tl.max(key, axis=0)
+            i += 1
 
     @triton.jit
     def _draw_among_kernel(logits_ptr, stride, rows_ptr, temp_ptr, ids_ptr, k_ptr, p_ptr, hash_ptr, out_ptr,
@@ -187,18 +205,29 @@ TOPK_MAX_K = 64  # beyond this the sampler ranks the whole row with torch.topk (
 
 
 def topk_candidates(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
-                    k: int) -> torch.Tensor:
+                    k: int, block: int = TOPK_BLOCK) -> torch.Tensor:
     """The ids [R, k] of the k largest values of logits[rows] / temperatures[:, None], largest first and
-    the lower id first among equal values: exactly topk_sampling's order, read from the logits once. Each
-    chunk of a row keeps its own k best keys, then torch.topk ranks the R x chunks x k survivors."""
+    the lower id first among equal values: exactly topk_sampling's order, from two reads of the logits.
+
+    The first read takes each chunk's largest order key; the k-th largest of those is the row's floor: k
+    keys reach it, so the row's top k all do. The second read keeps, per chunk, its largest keys down to
+    the floor (at most k: no more of a chunk's keys are in the row's top k), mostly one or two rounds of a
+    max rather than k; torch.topk then ranks the R x chunks x k survivors."""
     vocab = logits.shape[-1]
     assert logits.stride(-1) == 1 and logits.is_floating_point() and 1 <= k <= min(TOPK_MAX_K, vocab)
     r = rows.numel()
-    chunks = triton.cdiv(vocab, TOPK_BLOCK)
+    chunks = triton.cdiv(vocab, block)
+    maxes = torch.empty((r, chunks), dtype=torch.int64, device=logits.device)
+    _chunk_max_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, maxes, vocab, chunks,
+                                   BLOCK=block, num_warps=8)
+    if k <= chunks:
+        floor = maxes.topk(k, dim=-1, sorted=True).values[:, -1].contiguous()
+    else:  # fewer chunks than k: every chunk keeps its k largest
+        floor = torch.full((r,), -(1 << 63), dtype=torch.int64, device=logits.device)
     kp = triton.next_power_of_2(k)  # one compiled kernel per power of two
     keys = torch.empty((r, chunks * kp), dtype=torch.int64, device=logits.device)
-    _topk_keys_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, keys, vocab, chunks, K=kp,
-                                   BLOCK=TOPK_BLOCK, num_warps=8)
+    _topk_keys_kernel[(r, chunks)](logits, logits.stride(0), rows, temperatures, floor, keys, vocab, chunks,
+                                   K=kp, BLOCK=block, num_warps=8)
     best = keys.topk(k, dim=-1, sorted=True).values
     return (vocab - 1) - (best & 0xFFFFFFFF)
 

@@ -79,8 +79,19 @@ GREEDY_BELOW = 1e-5
 TEMPERATURE_MAX, TOP_P_MIN = 1e30, 1e-30
 
 
-def _temperatures(params: list[SamplingParams], rows: list[int], dev: torch.device) -> torch.Tensor:
-    return to_device([min(params[i].temperature, TEMPERATURE_MAX) for i in rows], torch.float32, dev)
+def group_inputs(params: list[SamplingParams], rows: list[int], vocab: int,
+                 dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' indices, temperatures, top_k (the vocabulary for none) and top_p on `dev`, in two copies
+    (one of ints, one of floats), each a contiguous [R] tensor."""
+    ints = to_device([rows, [min(params[i].top_k, vocab) or vocab for i in rows]], torch.int64, dev)
+    floats = to_device([[min(params[i].temperature, TEMPERATURE_MAX) for i in rows],
+                        [max(params[i].top_p, TOP_P_MIN) for i in rows]], torch.float32, dev)
+    return ints[0], floats[0], ints[1], floats[1]
+
+
+def _row_hashes(seeds: list[int], steps: list[int], rows: list[int], dev: torch.device) -> torch.Tensor:
+    both = to_device([[seeds[i] for i in rows], [steps[i] for i in rows]], torch.int64, dev)
+    return row_hash(both[0], both[1])
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
@@ -91,38 +102,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     ops = _kernels(logits, ops)
     if ops is None:
         logits = logits.float()
-    greedy = ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)  # the same ids, in one launch
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+    if len(rows) < len(params) or ops is None:  # the greedy rows' tokens (on CUDA every row's, in one launch)
+        chosen = ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)
+    else:  # every row draws
+        chosen = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     if not rows:
-        return greedy
+        return chosen
     dev, vocab = logits.device, logits.shape[-1]
     plain = [i for i in rows if params[i].top_k == 0 and params[i].top_p >= 1]
-    # candidates from one pass of a kernel on CUDA
+    # candidates from one kernel on CUDA
     few = [i for i in rows if 0 < params[i].top_k <= TOPK_MAX_K]
     many = [i for i in rows if params[i].top_k > TOPK_MAX_K]
     nucleus = [i for i in rows if params[i].top_k == 0 and params[i].top_p < 1]
-    if plain:
-        greedy[to_device(plain, torch.int64, dev)] = _plain_draw(logits, plain, params, seeds, steps, ops)
-    for group in (few, many, nucleus):
+    for group in (plain, few, many, nucleus):
         if not group:
             continue
-        rows_t = to_device(group, torch.int64, dev)
-        temps = _temperatures(params, group, dev)
-        hashes = row_hash(to_device([seeds[i] for i in group], torch.int64, dev),
-                          to_device([steps[i] for i in group], torch.int64, dev))
-        k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
-        p = to_device([max(params[i].top_p, TOP_P_MIN) for i in group], torch.float32, dev)
+        rows_t, temps, k, p = group_inputs(params, group, vocab, dev)
+        hashes = _row_hashes(seeds, steps, group, dev)
         max_k = min(max(params[i].top_k for i in group), vocab)
-        if ops is not None and group is few:
+        if group is plain:
+            drawn = _plain_draw(logits, rows_t, temps, hashes, ops)
+        elif ops is not None and group is few:
             ids = ops.topk_candidates(logits, rows_t, temps, max_k)
-            greedy[rows_t] = ops.draw_among(logits, rows_t, temps, ids, k, p, hashes)
-            continue
-        x = logits[rows_t].float() / temps[:, None]
-        if group is nucleus:  # top_p alone bounds no candidate count: sort the vocabulary
-            greedy[rows_t] = full_sort_draw(x, k, p, hashes)
+            drawn = ops.draw_among(logits, rows_t, temps, ids, k, p, hashes)
+        elif group is nucleus:  # top_p alone bounds no candidate count: sort the vocabulary
+            drawn = full_sort_draw(logits[rows_t].float() / temps[:, None], k, p, hashes)
         else:  # a few candidates per row, no sort of the vocabulary
-            greedy[rows_t] = candidate_draw(x, k, p, hashes, max_k)
-    return greedy
+            drawn = candidate_draw(logits[rows_t].float() / temps[:, None], k, p, hashes, max_k)
+        if len(group) == len(params):  # every row, in order
+            return drawn
+        chosen[rows_t] = drawn
+    return chosen
 
 
 def _kernels(logits: torch.Tensor, ops):
@@ -132,18 +143,13 @@ def _kernels(logits: torch.Tensor, ops):
     return ops
 
 
-def _plain_draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
-                steps: list[int], ops=None) -> torch.Tensor:
+def _plain_draw(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, hashes: torch.Tensor,
+                ops=None) -> torch.Tensor:
     """Temperature only: Gumbel-max over the whole vocabulary (one fused pass on CUDA)."""
-    dev = logits.device
-    hashes = row_hash(to_device([seeds[i] for i in rows], torch.int64, dev),
-                      to_device([steps[i] for i in rows], torch.int64, dev))
-    temps = _temperatures(params, rows, dev)
-    rows_t = to_device(rows, torch.int64, dev)
     if ops is not None:  # the same draw in one pass over the logits (kernels/sampling.py)
-        return ops.gumbel_argmax(logits, rows_t, temps, hashes)
-    x = logits[rows_t] / temps[:, None]
-    ids = torch.arange(x.shape[-1], device=dev, dtype=torch.int64)[None, :].expand(len(rows), -1)
+        return ops.gumbel_argmax(logits, rows, temps, hashes)
+    x = logits[rows] / temps[:, None]
+    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)[None, :].expand(len(rows), -1)
     # Gumbel-max: a draw from softmax(x)
     return (x - torch.log(-torch.log(noise_at(hashes, ids)))).argmax(dim=-1)
 

@@ -20,8 +20,7 @@ from itertools import accumulate
 import torch
 
 from tp_engine.kernels.sampling import TOPK_MAX_K
-from tp_engine.sampling.sampler import (GREEDY_BELOW, TEMPERATURE_MAX, TOP_P_MIN, SamplingParams, sample,
-                                        to_device)
+from tp_engine.sampling.sampler import GREEDY_BELOW, SamplingParams, group_inputs, sample, to_device
 from tp_engine.sampling.topk_sampling import M32, _mask_sorted, hash32, noise_at, row_hash, top_ids
 
 # The salts of the three draws, xor-ed into the seed before the sampler's hash (`salted`): the draft's
@@ -60,14 +59,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     for group in (plain, few, many, nucleus):
         if not group:
             continue
-        rows_t = to_device(group, torch.int64, dev)
-        temps = to_device([min(params[i].temperature, TEMPERATURE_MAX) for i in group], torch.float32, dev)
+        rows_t, temps, k, p = group_inputs(params, group, vocab, dev)
         xg = x[rows_t] / temps[:, None]
         if group is plain:
             out[rows_t] = xg.softmax(dim=-1)
             continue
-        k = to_device([min(params[i].top_k, vocab) or vocab for i in group], torch.int64, dev)
-        p = to_device([max(params[i].top_p, TOP_P_MIN) for i in group], torch.float32, dev)
         if group is nucleus:  # as topk_sampling.full_sort_draw
             vals, ids = xg.sort(dim=-1, descending=True, stable=True)
         else:  # as topk_sampling.candidate_draw
