@@ -163,3 +163,64 @@ def test_mask_kernel_equals_the_torch_masking():
         got = grammar_mask.mask_logits(logits.to(DEV), masks.to(DEV), slots.to(DEV))
         assert torch.equal(got.cpu(), want), dtype
         assert torch.isinf(want[0, 32 * 4740:]).all() and torch.equal(want[1], logits[1])
+
+
+def test_the_stream_waits_for_the_host_flag():
+    """kernels/grammar_mask.wait_for_host holds the work queued behind it until a host thread raises the
+    pinned flag, and the host goes on meanwhile; a flag raised already lets it pass at once."""
+    import threading
+    import time
+
+    import torch
+
+    from tp_engine.kernels import grammar_mask
+
+    flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    x = torch.zeros(1, device=DEV)
+    x += 1  # every kernel of this test loaded before a stream waits
+    torch.cuda.synchronize()
+    for n, target in enumerate((1, 2, 17), start=2):
+        grammar_mask.wait_for_host(flag, target)
+        x += 1
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.05)
+        assert not done.query(), target  # held
+        threading.Thread(target=lambda t=target: flag.__setitem__(0, t)).start()
+        done.synchronize()
+        assert x.item() == n
+    grammar_mask.wait_for_host(flag, 5)  # below the flag
+    torch.cuda.synchronize()
+
+
+def test_a_slow_mask_thread_holds_the_sampler_not_the_tokens(engine, hf_bf16, hf_ref, monkeypatch):
+    """The host does not wait for a step's masks: the stream does. With the mask thread slowed down (each
+    fill 20 ms late), the stream waits once a masked step, and greedy under each kind of constraint still
+    gives transformers' tokens under xgrammar's processor, up to near ties."""
+    import time
+
+    from tp_engine.sampling.grammar_masks import StepMasks
+
+    kinds = list(CONSTRAINTS) * 2
+    prompts = [{"input_ids": p, "sampling": {k: CONSTRAINTS[k], "max_new_tokens": NEW}}
+               for p, k in zip(PARITY_PROMPTS, kinds)]
+    ops, masks = engine.engine.ops, engine.engine.grammars.masks
+    waits = []
+    real_wait, real_fill = ops.wait_for_host, StepMasks.fill
+
+    def wait_for_host(flag, target):
+        waits.append(target)
+        real_wait(flag, target)
+
+    def slow_fill(self, buffer, rows):
+        time.sleep(0.02)
+        real_fill(self, buffer, rows)
+    monkeypatch.setattr(ops, "wait_for_host", wait_for_host)
+    monkeypatch.setattr(StepMasks, "fill", slow_fill)
+    before = masks.steps
+    outs = engine.generate(prompts, SamplingParams())
+    theirs = [reference(hf_bf16, engine, p, k) for p, k in zip(PARITY_PROMPTS, kinds)]
+    assert_parity(hf_ref, PARITY_PROMPTS[:len(kinds)], [o["output_token_ids"] for o in outs], theirs)
+    assert len(waits) == masks.steps - before > 0
+    for out, k in zip(outs, kinds):
+        assert_matches(out, k)

@@ -270,6 +270,9 @@ def test_a_first_token_that_may_open_a_think_block_is_allowed_beside_the_grammar
 
         def is_terminated(self):
             return False
+
+        def is_completed(self):
+            return False
     for think_open in (63, 40):
         m = Matcher(Grammar(), think_end=7, think_open=think_open)
         bitmask = torch.zeros(2, 4, dtype=torch.int32)
@@ -309,8 +312,8 @@ def test_masks_filled_on_threads_equal_row_by_row(llm):
     for i, m in enumerate(rows):
         m.fill(one, i)
     masks = StepMasks(2048, threads=3)
-    many = masks.buffer(len(rows), len(rows), pinned=False)
-    many.fill_(0x5A5A5A5A)  # what a step before left: every row is written whole
+    # what a step before left: every row is written whole
+    many = torch.full((len(rows), masks.words), 0x5A5A5A5A, dtype=torch.int32)
     masks.fill(many, list(enumerate(rows)))
     assert torch.equal(one, many)
     assert len({tuple(r.tolist()) for r in one}) > len(CONSTRAINTS)  # rows differ: a wrong row would show
@@ -363,3 +366,23 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
     assert res["targets"].keys() == {"latency", "throughput", "compile_cached_ms"}
     for name, target in res["targets"].items():
         assert f"structured {name}: {'PASS' if target['pass'] else 'FAIL'} " in proc.stderr
+
+
+def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
+    """A matcher that refuses a token fails its step on the mask thread: the error reaches the main thread
+    (once: the next step starts clean), and the flag a waiting stream watches rises all the same."""
+    from tp_engine.sampling.constraints import take_all
+    from tp_engine.sampling.grammar_masks import StepMasks
+
+    grammars = llm.engine.grammars
+    params = SamplingParams(choice=CONSTRAINTS["choice"])
+    allowed = torch.zeros(1, 64, dtype=torch.int32)
+    grammars.matcher(params).fill(allowed, 0)
+    refused = next(t for t in range(2048) if not (int(allowed[0, t // 32]) >> (t % 32)) & 1)
+    masks = StepMasks(2048, threads=1, take=take_all)
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match=f"token {refused} is outside the output constraint"):
+        masks.submit([(grammars.matcher(params), [], 1)], [0], lambda: [7, refused], cpu)
+    assert int(masks._flag[0]) == masks._seq == 1
+    got, slots = masks.submit([(grammars.matcher(params), [], None)], [-1, 0], None, cpu)
+    assert slots.tolist() == [-1, 0] and torch.equal(got, allowed) and int(masks._flag[0]) == 2

@@ -75,7 +75,7 @@ def _ops() -> SimpleNamespace:
                            argmax=sampling.argmax, gumbel_argmax=sampling.gumbel_argmax,
                            resolve_tokens=sampling.resolve_tokens,
                            topk_candidates=sampling.topk_candidates, draw_among=sampling.draw_among,
-                           mask_logits=grammar_mask.mask_logits,
+                           mask_logits=grammar_mask.mask_logits, wait_for_host=grammar_mask.wait_for_host,
                            moe_topk_softmax=moe.topk_softmax,
                            fused_moe=moe.fused_moe, fp8_linear=fp8.linear)
 
@@ -83,8 +83,8 @@ def _ops() -> SimpleNamespace:
 def select(device: torch.device, mode: str = "auto", fp8: bool = False) -> SimpleNamespace | None:
     """What this rank can use under `mode` (config key advanced.fused_kernels): the kernels, or None (the
     torch code). The kernels: an object with add_rmsnorm, qk_norm_rope_store, silu_mul, gate_up_silu, linear,
-    argmax, gumbel_argmax, resolve_tokens, topk_candidates, draw_among, mask_logits, moe_topk_softmax,
-    fused_moe and fp8_linear.
+    argmax, gumbel_argmax, resolve_tokens, topk_candidates, draw_among, mask_logits, wait_for_host,
+    moe_topk_softmax, fused_moe and fp8_linear.
 
     auto: the kernels on CUDA when Triton imports and the self-test passes, else None (with a warning);
     on: the same, but a missing Triton or a failed self-test raises ValueError; off: None. fp8: the model has
@@ -141,6 +141,8 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         masked = ops.mask_logits(logits, masks, torch.tensor([-1, 0], dtype=torch.int32, device=device))
         assert torch.equal(masked[0], logits[0]) and masked[1].argmax() == 4964
         assert masked[1].isinf().sum() == 4999
+        flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        ops.wait_for_host(flag, 1)  # raised already: returns (compiled here, never while a stream waits)
         cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)
         qkv = torch.randn(2, 3 * 128, device=device, generator=g).to(dt)
         cos = torch.ones(8, 128, device=device)

@@ -1,4 +1,5 @@
-"""Grammar masks onto the logits, in one kernel: each row's allowed tokens kept, the others -inf."""
+"""Grammar masks onto the logits, in one kernel: each row's allowed tokens kept, the others -inf; and the
+kernel that holds a stream until the host has filled them (sampling/grammar_masks.py)."""
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,22 @@ if triton is not None:
         tl.store(out_ptr + r * out_stride + ids, x, mask=inside)
 
 
+    @triton.jit(do_not_specialize=["target"])
+    def _wait_kernel(flag_ptr, target):
+        """Return once the int32 at flag_ptr (pinned host memory, read over the bus) reaches target."""
+        seen = tl.load(flag_ptr, volatile=True)
+        while seen < target:
+            seen = tl.load(flag_ptr, volatile=True)
+
+
 MASK_BLOCK = 4096
+
+
+def wait_for_host(flag: torch.Tensor, target: int) -> None:
+    """Hold the current stream until flag[0] >= target: flag is a pinned host int32 tensor that a host
+    thread raises. The work queued behind this waits on the GPU; the host goes on at once."""
+    assert flag.is_pinned() and flag.dtype == torch.int32
+    _wait_kernel[(1,)](flag, target, num_warps=1)
 
 
 def mask_logits(logits: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -230,9 +230,13 @@ class Engine:
                 if inflight is not None:  # the GPU runs `issued` while the host takes in the step before it
                     self.take_tokens(sched, inflight, on_token, on_finish)
                 inflight = issued
+            if self.grammars is not None:
+                self.grammars.masks.wait()  # the mask thread is done with this run's requests
         except BaseException:
             # Raised between steps (a callback, the scheduler): the other ranks are done with every step
             # issued so far, so the stop message brings all of them back, in step, before this one re-raises.
+            if self.grammars is not None:
+                self.grammars.masks.wait(quiet=True)  # done with the run's matchers, error or not
             self.pool.clear()  # a step planned but never issued would leave pages registered but unwritten
             if self.broken is None:
                 self.release_followers()
@@ -263,17 +267,15 @@ class Engine:
     def take_tokens(self, sched: Scheduler, step: Issued, on_token: Callable[[RequestOutput], bool] | None,
                     on_finish: Callable[[RequestOutput], None] | None) -> None:
         """Wait for a step's tokens; give them to the scheduler, the requests' outputs to the callbacks."""
-        if step.done is not None:
-            step.done.synchronize()
-        got, done = sched.update(step.plan, step.tokens.tolist())
+        got, done = sched.update(step.plan, step.host_tokens())
         add_logprobs(step, got)
-        done += follow_tokens(sched, got)  # a grammar that has ended ends its request
+        done += follow_tokens(sched, got, self.grammars)  # a grammar that has ended ends its request
         if on_token is not None:
             hit = [r for r in got if on_token(r.out)]
             for r in hit:  # a stop string wins over the length limit reached on the same token
                 r.out.finish_reason = "stop"
             done += sched.retire([r for r in hit if r not in done])
         for r in done:
-            mark_finished(r)
+            mark_finished(r, self.grammars)
             if on_finish is not None:
                 on_finish(r.out)

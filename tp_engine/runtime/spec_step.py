@@ -80,7 +80,7 @@ def take_verified(engine, sched: Scheduler, v: Verified, on_token: Callable[[Req
     """Give a verifying step's tokens to the requests and the callbacks (rank 0's host alone)."""
     _, done = update_verified(sched, v.plan, v.tokens, on_token, v.logprobs)
     for r in done:
-        mark_finished(r)
+        mark_finished(r, engine.grammars)
         if on_finish is not None:
             on_finish(r.out)
     if v.rest.plan.reqs:

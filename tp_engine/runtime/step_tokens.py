@@ -21,6 +21,12 @@ class Issued:
     # sampler.token_logprobs on the host, when a request asked for them
     logprobs: tuple[torch.Tensor, ...] = ()
 
+    def host_tokens(self) -> list[int]:
+        """The step's tokens, once their copy has reached the host (any thread may wait for it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens.tolist()
+
 
 def sampling_inputs(plan: Plan, seed: int) -> tuple[list[SamplingParams], list[int], list[int]]:
     """Each row's sampling parameters, seed (`seed`, the config's, where its parameters name none) and step

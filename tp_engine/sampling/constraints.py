@@ -57,11 +57,7 @@ class Grammars:
         self._tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
         self._compiler = None
         self._compiled: dict[tuple[str, str], Any] = {}
-        self.masks = StepMasks(vocab_size, default_threads(1) if threads is None else threads)
-        # rank 0's host seconds over the steps that masked, by part: waiting for the step before's tokens,
-        # the matchers taking them, filling the masks, the masks to the device and onto the logits (launches)
-        self.host_s = dict.fromkeys(("wait", "take", "fill", "apply"), 0.0)
-        self.masked_steps = 0
+        self.masks = StepMasks(vocab_size, default_threads(1) if threads is None else threads, take_all)
 
     def _compiler_for(self, kind: str):
         if self._compiler is None:
@@ -101,43 +97,56 @@ class Grammars:
         import xgrammar
         return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end, think_open)
 
-    def count(self, **seconds: float) -> None:
-        """One masked step's host seconds by part (`host_s`)."""
-        self.masked_steps += 1
-        for part, t in seconds.items():
-            self.host_s[part] += t
+    @property
+    def host_s(self) -> dict[str, float]:
+        """Rank 0's host seconds over the steps that masked, by part (StepMasks.host_s)."""
+        return self.masks.host_s
+
+    @property
+    def masked_steps(self) -> int:
+        return self.masks.steps
 
 
 class Matcher:
     """A request's place in its grammar. `fed` counts the output tokens taken so far; with `think_end`, the
     tokens up to that one are free text (a think block) and the grammar holds after it. With `think_open`
     too, the block is the output's to open: its first token may be `think_open` beside what the grammar
-    allows; if it is, the block runs to `think_end`, else the grammar holds from the first token."""
+    allows; if it is, the block runs to `think_end`, else the grammar holds from the first token.
+
+    Whether the grammar has ended is kept as a flag, refreshed as tokens are taken, so that reading it needs
+    no call into xgrammar's matcher while the mask thread fills its mask."""
 
     def __init__(self, matcher, think_end: int | None = None, think_open: int | None = None) -> None:
         self.m, self.fed = matcher, 0
         self.think_open, self._end = think_open, think_end
         self.think_end = think_end if think_open is None else None  # inside a think block: free up to it
+        self._terminated = matcher.is_terminated()
 
     @property
     def active(self) -> bool:
         """The next token is constrained: past the think block, and the grammar has not ended."""
-        return self.think_end is None and not self.m.is_terminated()
+        return self.think_end is None and not self._terminated
 
     @property
     def ended(self) -> bool:
         """The grammar took its stop token: the output is complete."""
-        return self.m.is_terminated()
+        return self._terminated
+
+    def behind(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """Of the output `tokens`: the ones not taken yet, and whether the token after them is still to
+        be taken (False when it was taken already, in flight)."""
+        return list(tokens[self.fed:]), self.fed <= len(tokens)
+
+    def take(self, tokens: Sequence[int]) -> None:
+        """Take the next tokens of the output, in order."""
+        for tok in tokens:
+            self._take(tok)
+        self.fed += len(tokens)
 
     def catch_up(self, tokens: Sequence[int], pending: int | None = None) -> None:
         """Take tokens[fed:], then `pending`, the token after them (still in flight), unless taken already."""
-        n = len(tokens)
-        for tok in tokens[self.fed:]:
-            self._take(tok)
-        self.fed = max(self.fed, n)
-        if pending is not None and self.fed == n:
-            self._take(pending)
-            self.fed += 1
+        rest, wants_next = self.behind(tokens)
+        self.take(rest + [pending] if pending is not None and wants_next else rest)
 
     def _take(self, tok: int) -> None:
         if self.think_open is not None:  # the first output token: it opens a think block, or the grammar's
@@ -148,8 +157,15 @@ class Matcher:
         if self.think_end is not None:
             if tok == self.think_end:
                 self.think_end = None
-        elif not self.m.is_terminated() and not self.m.accept_token(tok):
-            raise RuntimeError(f"token {tok} is outside the output constraint it was sampled under")
+        elif not self._terminated:
+            if not self.m.accept_token(tok):
+                raise _refused(tok)
+            self._terminated = self.m.is_terminated()
+
+    @property
+    def plain(self) -> bool:
+        """Its next token goes to the grammar as it is (no think block to open or close; not ended)."""
+        return self.think_open is None and self.think_end is None and not self._terminated
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
@@ -162,5 +178,28 @@ class Matcher:
             bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32 words
 
     def complete(self) -> bool:
-        """The output so far is a whole match of the grammar (the stop token taken or not)."""
-        return self.think_end is None and (self.m.is_terminated() or self.m.is_completed())
+        """The output so far is a whole match of the grammar (the stop token taken or not). Reads the
+        matcher: not while the mask thread fills it (StepMasks.settle)."""
+        return self.think_end is None and (self._terminated or self.m.is_completed())
+
+
+def _refused(tok: int) -> RuntimeError:
+    return RuntimeError(f"token {tok} is outside the output constraint it was sampled under")
+
+
+def take_all(feeds: Sequence[tuple[Matcher, list[int]]]) -> None:
+    """Each matcher takes its tokens; those that take one token straight into the grammar (the common
+    case: a decode step's) do it in one xgrammar call."""
+    one = [(m, toks[0]) for m, toks in feeds if len(toks) == 1 and m.plain]
+    for m, toks in feeds:
+        if not (len(toks) == 1 and m.plain):
+            m.take(toks)
+    if not one:
+        return
+    import xgrammar
+    took = xgrammar.BatchGrammarMatcher.batch_accept_token([m.m for m, _ in one], [t for _, t in one])
+    for (m, tok), ok in zip(one, took):
+        if not ok:
+            raise _refused(tok)
+        m.fed += 1
+        m._terminated = m.m.is_terminated()

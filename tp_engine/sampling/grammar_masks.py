@@ -1,16 +1,28 @@
-"""A step's grammar masks: filled on the host over several threads, copied to the device in one transfer,
-put on the logits in one kernel.
+"""A step's grammar masks: filled on the host by a thread of their own, over several of xgrammar's threads,
+copied to the device in one transfer, put on the logits in one kernel.
 
 xgrammar fills one row's mask in tens to hundreds of microseconds (more inside a JSON string, whose closing
 tokens it checks one by one), so the rows of a large batch go to one xgrammar call that spreads them over
-its threads, as many as this rank's share of the cores. The masks of the step's constrained rows lie one
-after another in a host buffer (pinned with a CUDA device), reused from step to step: a step writes into it
+its threads, as many as this rank's share of the cores. The masks of step N + 1 need the tokens of step N,
+which reach the host only when the GPU has sampled them. So the main thread does not wait for them: it
+hands the step's rows to the mask thread and queues, behind the step's forward, a kernel that holds the
+GPU until the mask thread raises a flag in pinned host memory, then the copy of the masks and the masking
+kernel. The mask thread waits for step N's tokens, feeds them to the matchers, fills the masks and raises
+the flag, while the main thread takes in step N and plans the next step. A step's masks lie one after
+another in a host buffer (pinned with a CUDA device), reused from step to step: the mask thread writes it
 only once the copy of the step before has left it.
+
+Who touches a matcher when: the mask thread, from `submit` until it has fed its step's tokens (`wait_fed`);
+the main thread otherwise. Its flags (ended, complete) are kept in Python, so reading them never calls into
+xgrammar while the mask thread fills.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,24 +42,128 @@ def default_threads(ranks: int) -> int:
 class StepMasks:
     """Rank 0's buffers and threads for the masks of a step's constrained rows (`vocab_size` bits a row)."""
 
-    def __init__(self, vocab_size: int, threads: int) -> None:
-        self.words, self.threads = (vocab_size + 31) // 32, max(1, threads)
+    def __init__(self, vocab_size: int, threads: int, take: Callable[[list], None] | None = None) -> None:
+        """take([(matcher, tokens), ...]): the matchers take their tokens (constraints.take_all)."""
+        self.words, self.threads, self._take = (vocab_size + 31) // 32, max(1, threads), take
+        self._busy: set[int] = set()  # ids of the matchers of the latest step's masks
         self._batches: dict = {}  # threads -> xgrammar's BatchGrammarMatcher, which fills rows on them
         self._host: torch.Tensor | None = None  # int32: the masks, row after row, then the step's slots
         self._copied: torch.cuda.Event | None = None  # recorded after the latest copy out of _host
+        self._pool: ThreadPoolExecutor | None = None  # the mask thread, started on first use
+        self._job: Future | None = None  # the latest step's masks
+        self._fed = threading.Event()  # set once the latest step's matchers have taken their tokens
+        self._fed.set()
+        self._flag: torch.Tensor | None = None  # pinned int32 [1]: the latest step whose masks are ready
+        self._seq = 0
+        # the host's seconds over the steps that masked, by part: the main thread waiting for the mask
+        # thread, the matchers taking their tokens, filling the masks (the mask thread), and the masks'
+        # copy and kernel queued (the main thread)
+        self.host_s = dict.fromkeys(("wait", "take", "fill", "apply"), 0.0)
+        self.steps = 0
 
-    def buffer(self, rows: int, batch: int, pinned: bool) -> torch.Tensor:
-        """[rows, words] int32 host rows for a step's masks, with room after them for `batch` slots, free to
-        write (the latest copy out of them done). Rows are not cleared: a fill writes its row whole."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        need = rows * self.words + batch
+    def submit(self, feeds: Sequence[tuple[Any, list[int], int | None]], slots: list[int],
+               in_flight: Callable[[], list[int]] | None, device: torch.device,
+               ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a step's masks on the mask thread. feeds[j]: row j's matcher, the output tokens it has
+        not taken, and the row of the step in flight whose token comes after them (None: none);
+        `in_flight()` waits for that step's tokens and returns them. slots[b]: the mask row of the step's
+        logits row b (-1: none). Returns (masks [rows, words], slots [B]) int32 on `device`, to be read in
+        stream order: with the fused kernels (`ops`) on CUDA the stream waits for the mask thread; else the
+        host waits here. The caller has waited for the step before's matchers (`wait_fed`)."""
+        rows, batch, cuda = len(feeds), len(slots), device.type == "cuda"
+        host = self._buffer(rows * self.words + batch, cuda)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+        self._seq += 1
+        self._fed = threading.Event()
+        self._busy = {id(m) for m, _, _ in feeds}
+        self._job = self._pool.submit(self._fill_step, self._seq, host, feeds, slots, in_flight, self._copied,
+                                      self._fed)
+        self.steps += 1
+        start = time.perf_counter()
+        both = host[:rows * self.words + batch]
+        if cuda and ops is not None:
+            ops.wait_for_host(self._flag, self._seq)  # in stream order, ahead of the copy
+        else:
+            self.wait()
+        if cuda:
+            both = both.to(device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        # on the CPU the host rows themselves: the step is done with them before the next one fills them
+        self.host_s["apply"] += time.perf_counter() - start
+        return both[:rows * self.words].view(rows, self.words), both[rows * self.words:]
+
+    def wait_fed(self) -> None:
+        """Wait until the latest step's matchers have taken their tokens; raise what the mask thread
+        raised."""
+        if not self._fed.is_set():
+            start = time.perf_counter()
+            self._fed.wait()
+            self.host_s["wait"] += time.perf_counter() - start
+        if self._job is not None and self._job.done():
+            self._settle()
+
+    def wait(self, quiet: bool = False) -> None:
+        """Wait until the latest step's masks are filled; raise what the mask thread raised (`quiet`: not,
+        for a caller that is raising an error of its own)."""
+        if self._job is not None:
+            start = time.perf_counter()
+            try:
+                self._settle()
+            except Exception:
+                if not quiet:
+                    raise
+            self.host_s["wait"] += time.perf_counter() - start
+
+    def settle(self, matcher: Any) -> None:
+        """Wait for the mask thread if it may be filling `matcher`'s mask, so that the caller may read it."""
+        if id(matcher) in self._busy:
+            self.wait()
+
+    def _settle(self) -> None:
+        """The latest step's outcome, once: its error is raised by one wait, not by every later one."""
+        job, self._job = self._job, None
+        job.result()
+
+    def _buffer(self, need: int, pinned: bool) -> torch.Tensor:
+        """A host buffer of at least `need` int32: the one in use, or a larger one (the old one stays alive
+        as long as a copy or the mask thread still holds it)."""
         if self._host is None or self._host.numel() < need or self._host.is_pinned() != pinned:
             host = torch.empty(max(need, 2 * (self._host.numel() if self._host is not None else 0)),
                                dtype=torch.int32)
             self._host = host.pin_memory() if pinned else host
-        return self._host[:rows * self.words].view(rows, self.words)
+            self._copied = None  # a fresh buffer: no copy out of it to wait for
+        return self._host
+
+    def _fill_step(self, seq: int, host: torch.Tensor, feeds, slots: list[int],
+                   in_flight: Callable[[], list[int]] | None, copied: torch.cuda.Event | None,
+                   fed: threading.Event) -> None:
+        """The mask thread's part of a step: the tokens in, the masks and slots out, then the flag up."""
+        try:
+            tokens = in_flight() if in_flight is not None else None
+            if copied is not None:
+                copied.synchronize()  # the step before's masks have left the buffer
+            start = time.perf_counter()
+            rows = len(feeds)
+            masks = host[:rows * self.words].view(rows, self.words)
+            self._take([(m, toks if ref is None else [*toks, tokens[ref]]) for m, toks, ref in feeds])
+            active = []  # (its row of the masks, matcher) of the rows whose next token the grammar decides
+            for j, (m, _, _) in enumerate(feeds):
+                if m.active:
+                    active.append((j, m))
+                else:  # free text (a think block), or a token the request drops: every token allowed
+                    masks[j] = -1
+            fed.set()
+            filled = time.perf_counter()
+            self.fill(masks, active)
+            host[rows * self.words:rows * self.words + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            self.host_s["take"] += filled - start
+            self.host_s["fill"] += time.perf_counter() - filled
+        finally:
+            fed.set()
+            self._flag[0] = seq
 
     def fill(self, buffer: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
         """Each (j, matcher)'s allowed tokens into row j of `buffer`: in one xgrammar call over up to
@@ -64,20 +180,6 @@ class StepMasks:
                                                              [j for j, _ in rows])
         for j, m in rows:
             m.allow_opening(buffer, j)
-
-    def to_device(self, rows: int, slots: list[int],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The buffer's first `rows` masks and each logits row's slot among them (-1: no mask) on `device`,
-        in one copy that does not hold the host up."""
-        n, b = rows * self.words, len(slots)
-        self._host[n:n + b] = torch.tensor(slots, dtype=torch.int32)
-        both = self._host[:n + b]
-        if device.type == "cuda":
-            both = both.to(device, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        # on the CPU the host rows themselves: the step is done with them before the next one fills them
-        return both[:n].view(rows, self.words), both[n:]
 
 
 def mask_logits(logits: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor, ops=None) -> torch.Tensor:
