@@ -249,8 +249,8 @@ def test_bench_mixed_settings_mix_greedy_and_sampled_with_the_drawn_budgets():
 
 @pytest.mark.slow
 def test_bench_sampling_mixed_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
-    """launch/bench.py's sampling, mixed and n8 workloads on CPU: each ratio is its two runs' rates; the
-    mixed run has greedy and top-k/top-p requests and the same prompts and token budgets as the shared one."""
+    """launch/bench.py's sampling, mixed and n8 workloads on CPU: each ratio is its two runs' rates (the
+    sampling workload's after a warm-up pass of each setting, kept apart); the mixed run has greedy and top-k/top-p requests and the same prompts and token budgets as the shared one."""
     import os
     import subprocess
     import sys
@@ -269,6 +269,7 @@ def test_bench_sampling_mixed_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     assert (s["top_k_top_p"]["top_k"], s["top_k_top_p"]["top_p"], s["temperature_only"]["top_k"]) == \
         (20, 0.95, 0)
     assert_rate_ratio(s["ratio"], s["top_k_top_p"], s["temperature_only"])
+    assert set(s["first_runs"]) == {"temperature_only", "top_k_top_p"}  # the warm-up pass, reported apart
     assert_rate_ratio(res["n8"]["ratio"], res["n8"]["n_samples"], res["n8"]["separate_prompts"])
     assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48
     m, bench = res["mixed"], bench_module()
