@@ -250,7 +250,8 @@ def test_bench_mixed_settings_mix_greedy_and_sampled_with_the_drawn_budgets():
 @pytest.mark.slow
 def test_bench_sampling_mixed_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
     """launch/bench.py's sampling, mixed and n8 workloads on CPU: each ratio is its two runs' rates (the
-    sampling workload's after a warm-up pass of each setting, kept apart); the mixed run has greedy and top-k/top-p requests and the same prompts and token budgets as the shared one."""
+    sampling workload's after a warm-up pass of each setting, kept apart); the mixed run has greedy and
+    top-k/top-p requests and the same prompts and token budgets as the shared one."""
     import os
     import subprocess
     import sys
