@@ -194,9 +194,10 @@ def test_the_stream_waits_for_the_host_flag():
 
 
 def test_a_slow_mask_thread_holds_the_sampler_not_the_tokens(engine, hf_bf16, hf_ref, monkeypatch):
-    """The host does not wait for a step's masks: the stream does. With the mask thread slowed down (each
-    fill 20 ms late), the stream waits once a masked step, and greedy under each kind of constraint still
-    gives transformers' tokens under xgrammar's processor, up to near ties."""
+    """The host does not wait for a step's masks: the stream does. With the mask thread slowed down (its
+    tokens taken 10 ms late, so the main thread meets matchers not yet fed, and each fill 20 ms late), the
+    stream waits once a masked step, and greedy under each kind of constraint still gives transformers'
+    tokens under xgrammar's processor, up to near ties, each output ending where its grammar does."""
     import time
 
     from tp_engine.sampling.grammar_masks import StepMasks
@@ -215,8 +216,13 @@ def test_a_slow_mask_thread_holds_the_sampler_not_the_tokens(engine, hf_bf16, hf
     def slow_fill(self, buffer, rows):
         time.sleep(0.02)
         real_fill(self, buffer, rows)
+
+    def slow_take(feeds, take=masks._take):
+        time.sleep(0.01)
+        take(feeds)
     monkeypatch.setattr(ops, "wait_for_host", wait_for_host)
     monkeypatch.setattr(StepMasks, "fill", slow_fill)
+    monkeypatch.setattr(masks, "_take", slow_take)
     before = masks.steps
     outs = engine.generate(prompts, SamplingParams())
     theirs = [reference(hf_bf16, engine, p, k) for p, k in zip(PARITY_PROMPTS, kinds)]

@@ -386,3 +386,49 @@ def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
     assert int(masks._flag[0]) == masks._seq == 1
     got, slots = masks.submit([(grammars.matcher(params), [], None)], [-1, 0], None, cpu)
     assert slots.tolist() == [-1, 0] and torch.equal(got, allowed) and int(masks._flag[0]) == 2
+
+
+def test_the_main_thread_waits_for_the_mask_thread_only_after_a_stop_token(llm):
+    """While the mask thread has yet to feed a step's tokens to its matchers, taking in that step reads no
+    matcher whose newest token cannot end its grammar (no wait), and waits for the mask thread where it can
+    (a stop token), then ends the request whose grammar took it."""
+    import threading
+    import types
+
+    from tp_engine.runtime.constrained import follow_tokens
+    from tp_engine.runtime.request import RequestOutput, RequestState
+
+    grammars = llm.engine.grammars
+    masks = grammars.masks
+    sched = types.SimpleNamespace(retire=lambda rs: list(rs))
+    eos = min(grammars.matcher(SamplingParams(choice=["a"])).stop)
+
+    def request(params: SamplingParams, outputs: list[int]) -> RequestState:
+        r = RequestState(RequestOutput(0, [1], params, output_ids=outputs), slot=0)
+        r.matcher = grammars.matcher(params)
+        return r
+    choice = SamplingParams(choice=CONSTRAINTS["choice"])
+    allowed = torch.zeros(1, 64, dtype=torch.int32)
+    r = request(choice, [])
+    r.matcher.fill(allowed, 0)
+    first = next(t for t in range(2048) if (int(allowed[0, t // 32]) >> (t % 32)) & 1)
+    r.out.output_ids.append(first)
+    masks._busy, masks._fed = {id(r.matcher)}, threading.Event()  # a step whose tokens it has not fed
+    try:
+        took: list = []
+        first_look = threading.Thread(target=lambda: took.append(follow_tokens(sched, [r], grammars)),
+                                      daemon=True)
+        first_look.start()
+        first_look.join(5)
+        assert took == [[]] and r.matcher.fed == 0  # it read nothing and waited for nothing
+        a = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+        whole = request(SamplingParams(regex="a"), [])
+        whole.matcher.take([a])
+        whole.out.output_ids += [a, eos]
+        masks._busy = {id(r.matcher), id(whole.matcher)}
+        threading.Timer(0.2, lambda: (whole.matcher.take([eos]), masks._fed.set())).start()
+        assert follow_tokens(sched, [whole], grammars) == [whole] and whole.out.finish_reason == "stop"
+        assert whole.matcher.ended and masks._fed.is_set()
+    finally:  # the engine's next step finds the mask thread done
+        masks._busy = set()
+        masks._fed.set()

@@ -51,16 +51,22 @@ def mask_step(logits: torch.Tensor, plan: Plan, previous: Issued | None, grammar
 
 def follow_tokens(sched: Scheduler, got: list[RequestState], grammars: Grammars | None) -> list[RequestState]:
     """After a step's tokens reached the requests: feed each constrained one, and end (finish_reason "stop")
-    those whose grammar has ended, EOS ignored or not. Returns the requests so ended."""
-    if grammars is not None:
-        grammars.masks.wait_fed()  # the mask thread has fed the step's tokens to its rows' matchers
+    those whose grammar has ended, EOS ignored or not. Returns the requests so ended. A matcher the mask
+    thread is still feeding has ended only if its newest token may end it: only then is the mask thread
+    waited for."""
     ended = []
     for r in got:
-        if r.matcher is not None:
-            r.matcher.catch_up(r.out.output_ids)
-            if r.matcher.ended and not r.out.finish_reason:
-                r.out.finish_reason = "stop"
-                ended.append(r)
+        m = r.matcher
+        if m is None:
+            continue
+        if grammars.masks.feeding(m):
+            if not m.may_end(r.out.output_ids[-1]):
+                continue
+            grammars.masks.wait_fed()
+        m.catch_up(r.out.output_ids)
+        if m.ended and not r.out.finish_reason:
+            r.out.finish_reason = "stop"
+            ended.append(r)
     return sched.retire(ended)
 
 

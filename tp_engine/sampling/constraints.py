@@ -95,7 +95,9 @@ class Grammars:
         """A fresh matcher of `params`' constraint; with `think_end`, it applies after that token only (and
         with `think_open` too, only if the first output token is that one)."""
         import xgrammar
-        return Matcher(xgrammar.GrammarMatcher(self.compile(*constraint_of(params))), think_end, think_open)
+        compiled = self.compile(*constraint_of(params))
+        return Matcher(xgrammar.GrammarMatcher(compiled), think_end, think_open,
+                       frozenset(compiled.tokenizer_info.stop_token_ids))
 
     @property
     def host_s(self) -> dict[str, float]:
@@ -114,13 +116,19 @@ class Matcher:
     allows; if it is, the block runs to `think_end`, else the grammar holds from the first token.
 
     Whether the grammar has ended is kept as a flag, refreshed as tokens are taken, so that reading it needs
-    no call into xgrammar's matcher while the mask thread fills its mask."""
+    no call into xgrammar's matcher while the mask thread fills its mask. A grammar ends only by taking one
+    of `stop` (its stop tokens; None: any token may end it), so only those refresh it."""
 
-    def __init__(self, matcher, think_end: int | None = None, think_open: int | None = None) -> None:
-        self.m, self.fed = matcher, 0
+    def __init__(self, matcher, think_end: int | None = None, think_open: int | None = None,
+                 stop: frozenset[int] | None = None) -> None:
+        self.m, self.fed, self.stop = matcher, 0, stop
         self.think_open, self._end = think_open, think_end
         self.think_end = think_end if think_open is None else None  # inside a think block: free up to it
         self._terminated = matcher.is_terminated()
+
+    def may_end(self, tok: int) -> bool:
+        """Taking `tok` may end the grammar."""
+        return self.stop is None or tok in self.stop
 
     @property
     def active(self) -> bool:
@@ -160,7 +168,8 @@ class Matcher:
         elif not self._terminated:
             if not self.m.accept_token(tok):
                 raise _refused(tok)
-            self._terminated = self.m.is_terminated()
+            if self.may_end(tok):
+                self._terminated = self.m.is_terminated()
 
     @property
     def plain(self) -> bool:
@@ -202,4 +211,5 @@ def take_all(feeds: Sequence[tuple[Matcher, list[int]]]) -> None:
         if not ok:
             raise _refused(tok)
         m.fed += 1
-        m._terminated = m.m.is_terminated()
+        if m.may_end(tok):
+            m._terminated = m.m.is_terminated()

@@ -117,6 +117,10 @@ class StepMasks:
                     raise
             self.host_s["wait"] += time.perf_counter() - start
 
+    def feeding(self, matcher: Any) -> bool:
+        """The mask thread has yet to feed `matcher` its latest step's tokens."""
+        return id(matcher) in self._busy and not self._fed.is_set()
+
     def settle(self, matcher: Any) -> None:
         """Wait for the mask thread if it may be filling `matcher`'s mask, so that the caller may read it."""
         if id(matcher) in self._busy:
