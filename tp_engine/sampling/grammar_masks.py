@@ -13,8 +13,8 @@ another in a host buffer (pinned with a CUDA device), reused from step to step: 
 only once the copy of the step before has left it.
 
 Who touches a matcher when: the mask thread, from `submit` until it has fed its step's tokens (`wait_fed`);
-the main thread otherwise. Its flags (ended, complete) are kept in Python, so reading them never calls into
-xgrammar while the mask thread fills.
+the main thread otherwise. Whether its grammar has ended is a flag kept in Python, so reading it never calls
+into xgrammar while the mask thread fills; what does call into it waits for the fill first (`settle`).
 """
 from __future__ import annotations
 
