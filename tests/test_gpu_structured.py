@@ -196,18 +196,23 @@ def test_the_stream_waits_for_the_host_flag():
 def test_a_slow_mask_thread_holds_the_sampler_not_the_tokens(engine, hf_bf16, hf_ref, monkeypatch):
     """The host does not wait for a step's masks: the stream does. With the mask thread slowed down (its
     tokens taken 10 ms late, so the main thread meets matchers not yet fed, and each fill 20 ms late), the
-    stream waits once a masked step, and greedy under each kind of constraint still gives transformers'
-    tokens under xgrammar's processor, up to near ties, each output ending where its grammar does."""
+    stream waits once a step of ROWS_PER_THREAD constrained rows or more (fewer are filled in place), and
+    greedy under each kind of constraint still gives transformers' tokens under xgrammar's processor, up to
+    near ties, each output ending where its grammar does."""
     import time
 
-    from tp_engine.sampling.grammar_masks import StepMasks
+    from tp_engine.sampling.grammar_masks import ROWS_PER_THREAD, StepMasks
 
     kinds = list(CONSTRAINTS) * 2
     prompts = [{"input_ids": p, "sampling": {k: CONSTRAINTS[k], "max_new_tokens": NEW}}
                for p, k in zip(PARITY_PROMPTS, kinds)]
     ops, masks = engine.engine.ops, engine.engine.grammars.masks
-    waits = []
-    real_wait, real_fill = ops.wait_for_host, StepMasks.fill
+    waits, sizes = [], []
+    real_wait, real_fill, real_submit = ops.wait_for_host, StepMasks.fill, StepMasks.submit
+
+    def submit(self, feeds, *args, **kwargs):
+        sizes.append(len(feeds))
+        return real_submit(self, feeds, *args, **kwargs)
 
     def wait_for_host(flag, target):
         waits.append(target)
@@ -223,10 +228,10 @@ def test_a_slow_mask_thread_holds_the_sampler_not_the_tokens(engine, hf_bf16, hf
     monkeypatch.setattr(ops, "wait_for_host", wait_for_host)
     monkeypatch.setattr(StepMasks, "fill", slow_fill)
     monkeypatch.setattr(masks, "_take", slow_take)
-    before = masks.steps
+    monkeypatch.setattr(StepMasks, "submit", submit)
     outs = engine.generate(prompts, SamplingParams())
     theirs = [reference(hf_bf16, engine, p, k) for p, k in zip(PARITY_PROMPTS, kinds)]
     assert_parity(hf_ref, PARITY_PROMPTS[:len(kinds)], [o["output_token_ids"] for o in outs], theirs)
-    assert len(waits) == masks.steps - before > 0
+    assert len(waits) == sum(n >= ROWS_PER_THREAD for n in sizes) > 0
     for out, k in zip(outs, kinds):
         assert_matches(out, k)

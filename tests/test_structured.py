@@ -372,7 +372,7 @@ def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
     """A matcher that refuses a token fails its step on the mask thread: the error reaches the main thread
     (once: the next step starts clean), and the flag a waiting stream watches rises all the same."""
     from tp_engine.sampling.constraints import take_all
-    from tp_engine.sampling.grammar_masks import StepMasks
+    from tp_engine.sampling.grammar_masks import ROWS_PER_THREAD, StepMasks
 
     grammars = llm.engine.grammars
     params = SamplingParams(choice=CONSTRAINTS["choice"])
@@ -381,11 +381,15 @@ def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
     refused = next(t for t in range(2048) if not (int(allowed[0, t // 32]) >> (t % 32)) & 1)
     masks = StepMasks(2048, threads=1, take=take_all)
     cpu = torch.device("cpu")
+    rows = ROWS_PER_THREAD  # enough for the mask thread (fewer are filled in place)
     with pytest.raises(RuntimeError, match=f"token {refused} is outside the output constraint"):
-        masks.submit([(grammars.matcher(params), [], 1)], [0], lambda: [7, refused], cpu)
+        masks.submit([(grammars.matcher(params), [], 1) for _ in range(rows)], list(range(rows)),
+                     lambda: [7, refused], cpu)
     assert int(masks._flag[0]) == masks._seq == 1
-    got, slots = masks.submit([(grammars.matcher(params), [], None)], [-1, 0], None, cpu)
-    assert slots.tolist() == [-1, 0] and torch.equal(got, allowed) and int(masks._flag[0]) == 2
+    got, slots = masks.submit([(grammars.matcher(params), [], None) for _ in range(rows)],
+                              [-1, *range(rows)], None, cpu)
+    assert slots.tolist() == [-1, *range(rows)] and int(masks._flag[0]) == 2
+    assert all(torch.equal(row, allowed[0]) for row in got)
 
 
 def test_the_main_thread_waits_for_the_mask_thread_only_after_a_stop_token(llm):

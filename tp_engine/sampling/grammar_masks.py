@@ -69,7 +69,9 @@ class StepMasks:
         `in_flight()` waits for that step's tokens and returns them. slots[b]: the mask row of the step's
         logits row b (-1: none). Returns (masks [rows, words], slots [B]) int32 on `device`, to be read in
         stream order: with the fused kernels (`ops`) on CUDA the stream waits for the mask thread; else the
-        host waits here. The caller has waited for the step before's matchers (`wait_fed`)."""
+        host waits here. Fewer than ROWS_PER_THREAD rows (a fill of a fraction of a millisecond) are filled
+        here, on the main thread: no thread to wake, no stream to hold. The caller has waited for the step
+        before's matchers (`wait_fed`)."""
         rows, batch, cuda = len(feeds), len(slots), device.type == "cuda"
         host = self._buffer(rows * self.words + batch, cuda)
         if self._pool is None:
@@ -78,12 +80,16 @@ class StepMasks:
         self._seq += 1
         self._fed = threading.Event()
         self._busy = {id(m) for m, _, _ in feeds}
-        self._job = self._pool.submit(self._fill_step, self._seq, host, feeds, slots, in_flight, self._copied,
-                                      self._fed)
         self.steps += 1
+        job = (self._seq, host, feeds, slots, in_flight, self._copied, self._fed)
+        if rows < ROWS_PER_THREAD:
+            self.wait()  # the mask thread is done with the step before's matchers
+            self._fill_step(*job)
+        else:
+            self._job = self._pool.submit(self._fill_step, *job)
         start = time.perf_counter()
         both = host[:rows * self.words + batch]
-        if cuda and ops is not None:
+        if cuda and ops is not None and self._job is not None:
             ops.wait_for_host(self._flag, self._seq)  # in stream order, ahead of the copy
         else:
             self.wait()
