@@ -199,9 +199,11 @@ def _refused(tok: int) -> RuntimeError:
 def take_all(feeds: Sequence[tuple[Matcher, list[int]]]) -> None:
     """Each matcher takes its tokens; those that take one token straight into the grammar (the common
     case: a decode step's) do it in one xgrammar call."""
-    one = [(m, toks[0]) for m, toks in feeds if len(toks) == 1 and m.plain]
+    one = []
     for m, toks in feeds:
-        if not (len(toks) == 1 and m.plain):
+        if len(toks) == 1 and m.plain:
+            one.append((m, toks[0]))
+        else:
             m.take(toks)
     if not one:
         return
