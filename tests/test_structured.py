@@ -436,3 +436,16 @@ def test_the_main_thread_waits_for_the_mask_thread_only_after_a_stop_token(llm):
     finally:  # the engine's next step finds the mask thread done
         masks._busy = set()
         masks._fed.set()
+
+
+def test_mask_threads_leave_a_core_to_the_main_thread(monkeypatch):
+    """A rank's mask threads: its share of the node's cores less one, which the main thread uses beside the
+    fill (one at least, 32 at most)."""
+    import os
+
+    from tp_engine.sampling.grammar_masks import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [default_threads(n) for n in (1, 2, 4, 16)] == [15, 7, 3, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    assert default_threads(1) == 32

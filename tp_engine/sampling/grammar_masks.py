@@ -31,12 +31,13 @@ ROWS_PER_THREAD = 4  # at least, so that starting a thread (xgrammar starts them
 
 def default_threads(ranks: int) -> int:
     """Threads for one rank's masks: the cores this process may run on, shared by the `ranks` processes
-    of an engine on one node (at least 1, at most 32)."""
+    of an engine on one node, less one for the main thread, which runs beside the fill (at least 1, at
+    most 32): a fill waits for its slowest thread, and one that shares a core is the slowest."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(32, cores // max(1, ranks)))
+    return max(1, min(32, cores // max(1, ranks) - 1))
 
 
 class StepMasks:
