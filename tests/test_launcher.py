@@ -108,6 +108,28 @@ def test_job_status_is_the_first_failed_ranks(capsys):
     assert capsys.readouterr().err == "error: rank 1 (pid 101) was killed by SIGKILL\n"
 
 
+def test_a_ranks_error_file_is_whole_or_absent(tmp_path, monkeypatch, capsys):
+    """torchrun reads a rank's error file the moment another rank's exit stops the job: while the rank
+    writes it, the file is not there at all (never there and empty), and then it holds the whole message."""
+    import json
+
+    from tp_engine import cli
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    seen = []
+    dump = json.dump
+
+    def watched(obj, f):
+        seen.append(path.exists())
+        dump(obj, f)
+    monkeypatch.setattr(json, "dump", watched)
+    assert cli.fail(0, "unknown config key 'x'", 2) == 2
+    assert seen == [False]
+    assert json.loads(path.read_text())["message"]["message"] == "unknown config key 'x'"
+    assert capsys.readouterr().err == "error: unknown config key 'x'\n"
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_the_job_in_the_ranks_words(ckpt, tmp_path):
     """Ctrl-C reaches the launcher (the ranks have sessions of their own): it stops the ranks, rank 0 says

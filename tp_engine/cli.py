@@ -237,9 +237,13 @@ def fail(rank: int, message: str, code: int, always: bool = False) -> int:
     printed. If they are still alive after that (rank 0 did not fail), they say why themselves."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun shows this as the root cause instead of a pointer to its docs
-        with open(error_file, "w") as f:
+        # whole or absent: torchrun reads it the moment another rank's exit stops the job, and an empty
+        # file fails its JSON parser, which then speaks instead of the ranks
+        partial = f"{error_file}.{os.getpid()}.partial"
+        with open(partial, "w") as f:
             extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
             json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+        os.replace(partial, error_file)
     if rank == 0 or always:
         print(f"error: {message}", file=sys.stderr)
     else:
