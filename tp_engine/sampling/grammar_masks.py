@@ -83,16 +83,17 @@ class StepMasks:
         self._busy = {id(m) for m, _, _ in feeds}
         self.steps += 1
         job = (self._seq, host, feeds, slots, in_flight, self._copied, self._fed)
-        if rows < ROWS_PER_THREAD:
+        inline = rows < ROWS_PER_THREAD
+        if inline:
             self.wait()  # the mask thread is done with the step before's matchers
             self._fill_step(*job)
         else:
             self._job = self._pool.submit(self._fill_step, *job)
         start = time.perf_counter()
         both = host[:rows * self.words + batch]
-        if cuda and ops is not None and self._job is not None:
+        if not inline and cuda and ops is not None:
             ops.wait_for_host(self._flag, self._seq)  # in stream order, ahead of the copy
-        else:
+        elif not inline:
             self.wait()
         if cuda:
             both = both.to(device, non_blocking=True)
