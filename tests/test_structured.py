@@ -449,3 +449,48 @@ def test_mask_threads_leave_a_core_to_the_main_thread(monkeypatch):
     assert [default_threads(n) for n in (1, 2, 4, 16)] == [15, 7, 3, 1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
     assert default_threads(1) == 32
+
+
+def test_a_run_with_the_mask_thread_switches_threads_often_then_restores(llm, monkeypatch):
+    """While the mask thread fills a step's masks, the interpreter's switch interval is SWITCH_INTERVAL_S
+    (a return from xgrammar or a wait then waits that long at most for the main thread's GIL, not the
+    default 5 ms); after the run, after a run that a callback ended, and after a step whose mask thread
+    failed, it is what it was before."""
+    import sys
+
+    from tp_engine.sampling.grammar_masks import ROWS_PER_THREAD, SWITCH_INTERVAL_S, StepMasks
+
+    seen = []
+    fill_step = StepMasks._fill_step
+
+    def spy(self, *args):
+        seen.append(sys.getswitchinterval())
+        return fill_step(self, *args)
+    monkeypatch.setattr(StepMasks, "_fill_step", spy)
+    params = SamplingParams(max_new_tokens=4, choice=CONSTRAINTS["choice"])
+    prompts = [f"{p} {i}" for i in range(ROWS_PER_THREAD) for p in PROMPTS]
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.003)
+        outs = llm.generate(prompts, params)
+        assert all(o.get("error") is None for o in outs)
+        assert seen and all(s == pytest.approx(SWITCH_INTERVAL_S) for s in seen)
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+
+        def stop(update):
+            if seen:
+                raise KeyboardInterrupt
+        seen.clear()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, on_token=stop)
+        assert seen and sys.getswitchinterval() == pytest.approx(0.003)
+
+        def fail(feeds):
+            raise RuntimeError("a matcher failed")
+        masks = StepMasks(2048, threads=1, take=fail)
+        rows = ROWS_PER_THREAD
+        with pytest.raises(RuntimeError, match="a matcher failed"):
+            masks.submit([(None, [], None)] * rows, list(range(rows)), None, torch.device("cpu"))
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)

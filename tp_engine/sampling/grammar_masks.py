@@ -15,10 +15,18 @@ only once the copy of the step before has left it.
 Who touches a matcher when: the mask thread, from `submit` until it has fed its step's tokens (`wait_fed`);
 the main thread otherwise. Whether its grammar has ended is a flag kept in Python, so reading it never calls
 into xgrammar while the mask thread fills; what does call into it waits for the fill first (`settle`).
+
+The two threads share the GIL. The mask thread's waits and xgrammar's calls release it, and each return
+then waits for the main thread to let it go, which a thread running Python does only every switch interval
+(5 ms by default): a step's mask chain would wait that long several times over. So while a mask
+thread's job runs, from `submit` to its flag, the interpreter switches every SWITCH_INTERVAL_S, and the
+mask thread writes its buffers through numpy, which keeps the GIL, rather than through torch's operators,
+which let it go.
 """
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +35,32 @@ from typing import Any, Callable, Sequence
 import torch
 
 ROWS_PER_THREAD = 4  # at least, so that starting a thread (xgrammar starts them each call) pays
+SWITCH_INTERVAL_S = 1e-4  # the interpreter's switch interval while a mask thread runs (module docstring)
+
+
+class _QuickSwitches:
+    """The interpreter's switch interval: short while any mask thread's job runs, as it was once none does
+    (counted: a step's job is submitted before the step before's is done, and engines may run side by side
+    in one process)."""
+
+    def __init__(self) -> None:
+        self._lock, self._users, self._saved = threading.Lock(), 0, 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
+            self._users += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCHES = _QuickSwitches()
 
 
 def default_threads(ranks: int) -> int:
@@ -88,7 +122,12 @@ class StepMasks:
             self.wait()  # the mask thread is done with the step before's matchers
             self._fill_step(*job)
         else:
-            self._job = self._pool.submit(self._fill_step, *job)
+            _SWITCHES.enter()
+            try:
+                self._job = self._pool.submit(self._threaded_step, *job)
+            except BaseException:
+                _SWITCHES.leave()
+                raise
         start = time.perf_counter()
         both = host[:rows * self.words + batch]
         if not inline and cuda and ops is not None:
@@ -149,16 +188,23 @@ class StepMasks:
             self._copied = None  # a fresh buffer: no copy out of it to wait for
         return self._host
 
+    def _threaded_step(self, *job) -> None:
+        """`_fill_step` on the mask thread, its switch interval given back at its end (`submit` took it)."""
+        try:
+            self._fill_step(*job)
+        finally:
+            _SWITCHES.leave()
+
     def _fill_step(self, seq: int, host: torch.Tensor, feeds, slots: list[int],
                    in_flight: Callable[[], list[int]] | None, copied: torch.cuda.Event | None,
                    fed: threading.Event) -> None:
         """The mask thread's part of a step: the tokens in, the masks and slots out, then the flag up."""
         try:
             tokens = in_flight() if in_flight is not None else None
-            if copied is not None:
+            if copied is not None and not copied.query():
                 copied.synchronize()  # the step before's masks have left the buffer
             start = time.perf_counter()
-            rows = len(feeds)
+            rows, flat = len(feeds), host.numpy()  # numpy's writes keep the GIL (module docstring)
             masks = host[:rows * self.words].view(rows, self.words)
             self._take([(m, toks if ref is None else [*toks, tokens[ref]]) for m, toks, ref in feeds])
             active = []  # (its row of the masks, matcher) of the rows whose next token the grammar decides
@@ -166,16 +212,16 @@ class StepMasks:
                 if m.active:
                     active.append((j, m))
                 else:  # free text (a think block), or a token the request drops: every token allowed
-                    masks[j] = -1
+                    flat[j * self.words:(j + 1) * self.words] = -1
             fed.set()
             filled = time.perf_counter()
             self.fill(masks, active)
-            host[rows * self.words:rows * self.words + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            flat[rows * self.words:rows * self.words + len(slots)] = slots
             self.host_s["take"] += filled - start
             self.host_s["fill"] += time.perf_counter() - filled
         finally:
             fed.set()
-            self._flag[0] = seq
+            self._flag.numpy()[0] = seq
 
     def fill(self, buffer: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
         """Each (j, matcher)'s allowed tokens into row j of `buffer`: in one xgrammar call over up to
