@@ -69,6 +69,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -536,6 +537,45 @@ class HostTimers:
                 delattr(owner, name)
 
 
+class KernelCompiles:
+    """The Triton kernels compiled, or loaded from Triton's cache on disk, while it is entered, and their
+    seconds: a measured run that compiles pays a one-time cost the other run of its pair may not (Triton's
+    `jit_cache_hook`, called before each, and `jit_post_compile_hook`, after)."""
+
+    def __init__(self) -> None:
+        self.kernels: dict[str, int] = {}
+        self.seconds = 0.0
+        self._began: dict[int, float] = {}  # thread: when its compile began
+        self._saved = None
+
+    def __enter__(self) -> KernelCompiles:
+        try:
+            from triton import knobs
+        except ImportError:  # CPU-only installs: nothing compiles
+            return self
+        self._saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self.began, self.ended
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+    def began(self, *, fn, **_) -> None:  # None: Triton goes on to compile
+        self.kernels[fn.name] = self.kernels.get(fn.name, 0) + 1
+        self._began[threading.get_ident()] = time.perf_counter()
+
+    def ended(self, **_) -> None:
+        began = self._began.pop(threading.get_ident(), None)
+        if began is not None:
+            self.seconds += time.perf_counter() - began
+
+    def report(self) -> dict:
+        return {"count": sum(self.kernels.values()), "seconds": round(self.seconds, 3),
+                "kernels": dict(sorted(self.kernels.items()))}
+
+
 def host_profile(engine: Engine, args, res: dict) -> None:
     """Latency request again, with the host phases of each step timed on every rank."""
     prompt = random_ids(random.Random(args.seed), args.prompt_len, engine.model_cfg.vocab_size)
@@ -593,7 +633,8 @@ def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", t
         last[r.index] = time.perf_counter()
 
     t0 = time.perf_counter()
-    run_requests(engine, reqs, on_token, on_finish)
+    with KernelCompiles() as compiles:
+        run_requests(engine, reqs, on_token, on_finish)
     wall = time.perf_counter() - t0
     if not engine.tp.is_first:
         return
@@ -612,6 +653,7 @@ def bench_throughput(engine: Engine, args, res: dict, key: str = "throughput", t
         "ttft_s": {f"p{q}": round(pct(ttft, q), 4) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": round(pct(tpot, q) * 1e3, 3) for q in (50, 90, 99)},
         "preempted": engine.num_preempted,
+        "kernel_compiles": compiles.report(),  # during the measured run: a one-time cost inside it
     }
 
 
@@ -738,8 +780,8 @@ def bench_sampling(engine: Engine, args, res: dict) -> None:
         bench_throughput(engine, args, runs, "top_k_top_p", top_k, top_p)
     if engine.tp.is_first:
         out["ratio"] = round(out["top_k_top_p"]["output_tok_s"] / out["temperature_only"]["output_tok_s"], 4)
-        out["first_runs"] = {k: {"output_tok_s": v["output_tok_s"], "ttft_p50_s": v["ttft_s"]["p50"]}
-                             for k, v in first.items()}
+        out["first_runs"] = {k: {"output_tok_s": v["output_tok_s"], "ttft_p50_s": v["ttft_s"]["p50"],
+                                 "kernel_compiles": v["kernel_compiles"]} for k, v in first.items()}
         res["sampling"] = out
 
 

@@ -224,6 +224,29 @@ def test_n_and_logprobs_are_checked(ckpt, key, value, message):
         SamplingParams(**{key.split(".")[1]: value})
 
 
+def test_bench_counts_the_kernels_compiled_inside_a_measured_run():
+    """The bench's KernelCompiles counts each Triton compile by kernel and adds up the seconds from
+    Triton's hook before it to the one after, with the keywords Triton calls them with, leaving Triton to
+    compile (the first hook returns None); on leaving it puts back the hooks it found."""
+    import time
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    bench = bench_module()
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    with bench.KernelCompiles() as compiles:
+        for name in ("_topk_keys_kernel", "_chunk_max_kernel", "_topk_keys_kernel"):
+            call = dict(key="k", repr=name, fn=SimpleNamespace(name=name, module="m", jit_function=None),
+                        compile={}, is_manual_warmup=False, already_compiled=False)
+            assert knobs.runtime.jit_cache_hook(**call) is None
+            time.sleep(0.01)
+            knobs.runtime.jit_post_compile_hook(**call)
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+    got = compiles.report()
+    assert got["count"] == 3 and got["kernels"] == {"_chunk_max_kernel": 1, "_topk_keys_kernel": 2}
+    assert 0.03 <= got["seconds"] < 1
+
+
 def bench_module():
     import sys
 
@@ -271,6 +294,8 @@ def test_bench_sampling_mixed_and_n8_workloads_run_on_cpu(ckpt, tmp_path):
         (20, 0.95, 0)
     assert_rate_ratio(s["ratio"], s["top_k_top_p"], s["temperature_only"])
     assert set(s["first_runs"]) == {"temperature_only", "top_k_top_p"}  # the warm-up pass, reported apart
+    for run in (*s["first_runs"].values(), s["top_k_top_p"], s["temperature_only"]):
+        assert run["kernel_compiles"] == {"count": 0, "seconds": 0.0, "kernels": {}}  # no Triton on the CPU
     assert_rate_ratio(res["n8"]["ratio"], res["n8"]["n_samples"], res["n8"]["separate_prompts"])
     assert res["n8"]["n_samples"]["output_tokens"] == res["n8"]["separate_prompts"]["output_tokens"] == 48
     m, bench = res["mixed"], bench_module()
