@@ -41,8 +41,11 @@ Workloads (comma-separated, or `all`):
               (output tok/s ratio, target >= 0.90); a 20-field schema's compile time, first and cached
               (target <= 1 ms); PASS/FAIL per target on stderr (launch/bench_structured.py; --tokenizer DIR,
               else the model's own or a byte-level BPE trained for it)
+  replicas    the throughput workload's requests through the Python API, as a job of data-parallel
+              replicas runs them (--set tensor_parallel_size below the world size); at one rank, its own
+              baseline (launch/bench_replicas.py)
 
-(shared_prefix, long_prompt, sampling, mixed, n8, soak and structured are not part of `all`.)
+(shared_prefix, long_prompt, sampling, mixed, n8, soak, structured and replicas are not part of `all`.)
 The throughput workload samples with --temperature, --top-k and --top-p.
 
 --engine hf|both adds HF transformers (eager `generate`, bf16; TP>1 through tp_plan="auto") on the same
@@ -85,13 +88,15 @@ from tp_engine.checkpoint.model_config import ModelConfig  # noqa: E402
 from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
 from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
 from tp_engine.runtime.request import RequestOutput  # noqa: E402
+from bench_replicas import bench_replicas  # noqa: E402
 from bench_soak import bench_soak  # noqa: E402
 from bench_structured import bench_structured  # noqa: E402
 
 log = logging.getLogger("tp_engine")
 HBM_BYTES_PER_S = 4.2e12  # device-to-device copy measured on the H200 (bytes read + written)
 SHARD_BYTES = 4 << 30
-LLM_WORKLOADS = {"soak", "structured"}  # each builds an LLM of its own, after the other workloads' engine
+# each builds an LLM of its own, after the other workloads' engine
+LLM_WORKLOADS = {"soak", "structured", "replicas"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory with config.json (public Qwen3 shapes in configs/models)")
     p.add_argument("--workload", default="latency",
                    help="latency, throughput, load, shared_prefix, long_prompt, sampling, mixed, n8, soak, "
-                        "structured (comma-separated) or all (the first three)")
+                        "structured, replicas (comma-separated) or all (the first three)")
     p.add_argument("--engine", default="both", choices=["ours", "hf", "both"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override, e.g. --set cuda_graph=false")
@@ -1050,6 +1055,9 @@ def main(argv=None) -> int:
                 _checkpoint_results(args, res)
             if args.engine in ("ours", "both") and "structured" in workloads:
                 bench_structured(args, options, out)
+                _checkpoint_results(args, res)
+            if args.engine in ("ours", "both") and "replicas" in workloads:
+                bench_replicas(args, options, out, lambda vocab, n, s: throughput_requests(args, vocab, n, s))
                 _checkpoint_results(args, res)
         if args.engine in ("hf", "both") and workloads & {"latency", "throughput"}:
             try:

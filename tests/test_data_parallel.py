@@ -265,3 +265,25 @@ def test_two_nodes_on_one_machine(ckpt, tmp_path):
     assert "finished results are in" in "".join(errs), "\n".join(e[-2000:] for e in errs)
     kept = [json.loads(line) for line in Path(cfg["output"]).read_text().splitlines()]
     assert kept and len({line["index"] for line in kept}) == len(kept) < 48
+
+
+@pytest.mark.slow
+def test_bench_replicas_workload_runs_every_request_on_two_replicas(ckpt, tmp_path):
+    """launch/bench.py --workload replicas under torchrun with two ranks of TP 1: one LLM of two replicas
+    runs the throughput workload's requests (each its whole budget: ignore_eos) and reports them."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import bench
+
+    out = tmp_path / "bench.json"
+    args = ["--model", str(ckpt), "--engine", "ours", "--workload", "replicas", "--set", "device=cpu",
+            "--set", "tensor_parallel_size=1", "--num-requests", "6", "--min-len", "4", "--max-len", "12"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "launch" / "bench.py"), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["replicas"]
+    specs = bench.throughput_requests(bench.parse_args(args), 512, 6, 0)
+    assert (got["replicas"], got["tensor_parallel_size"], got["requests"], got["errors"]) == (2, 1, 6, 0)
+    assert got["prompt_tokens"] == sum(len(ids) for ids, _ in specs)
+    assert got["output_tokens"] == sum(new for _, new in specs) and got["output_tok_s"] > 0
