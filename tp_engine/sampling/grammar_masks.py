@@ -116,7 +116,8 @@ class StepMasks:
         self._fed = threading.Event()
         self._busy = {id(m) for m, _, _ in feeds}
         self.steps += 1
-        job = (self._seq, host, feeds, slots, in_flight, self._copied, self._fed)
+        masks = host[:rows * self.words].view(rows, self.words)  # here, as torch lets the GIL go
+        job = (self._seq, host, masks, feeds, slots, in_flight, self._copied, self._fed)
         inline = rows < ROWS_PER_THREAD
         if inline:
             self.wait()  # the mask thread is done with the step before's matchers
@@ -195,17 +196,17 @@ class StepMasks:
         finally:
             _SWITCHES.leave()
 
-    def _fill_step(self, seq: int, host: torch.Tensor, feeds, slots: list[int],
+    def _fill_step(self, seq: int, host: torch.Tensor, masks: torch.Tensor, feeds, slots: list[int],
                    in_flight: Callable[[], list[int]] | None, copied: torch.cuda.Event | None,
                    fed: threading.Event) -> None:
-        """The mask thread's part of a step: the tokens in, the masks and slots out, then the flag up."""
+        """The mask thread's part of a step: the tokens in, the masks (`masks`: the rows of `host` they
+        take) and slots out, then the flag up."""
         try:
             tokens = in_flight() if in_flight is not None else None
             if copied is not None and not copied.query():
                 copied.synchronize()  # the step before's masks have left the buffer
             start = time.perf_counter()
             rows, flat = len(feeds), host.numpy()  # numpy's writes keep the GIL (module docstring)
-            masks = host[:rows * self.words].view(rows, self.words)
             self._take([(m, toks if ref is None else [*toks, tokens[ref]]) for m, toks, ref in feeds])
             active = []  # (its row of the masks, matcher) of the rows whose next token the grammar decides
             for j, (m, _, _) in enumerate(feeds):
