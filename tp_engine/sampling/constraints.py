@@ -168,8 +168,12 @@ class Matcher:
         elif not self._terminated:
             if not self.m.accept_token(tok):
                 raise _refused(tok)
-            if self.may_end(tok):
-                self._terminated = self.m.is_terminated()
+            self._took(tok)
+
+    def _took(self, tok: int) -> None:
+        """The grammar took `tok`: whether it has ended now (only a stop token can end it)."""
+        if self.may_end(tok):
+            self._terminated = self.m.is_terminated()
 
     @property
     def plain(self) -> bool:
@@ -213,5 +217,4 @@ def take_all(feeds: Sequence[tuple[Matcher, list[int]]]) -> None:
         if not ok:
             raise _refused(tok)
         m.fed += 1
-        if m.may_end(tok):
-            m._terminated = m.m.is_terminated()
+        m._took(tok)
