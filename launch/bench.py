@@ -72,7 +72,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -88,6 +87,7 @@ from tp_engine.checkpoint.model_config import ModelConfig  # noqa: E402
 from tp_engine.checkpoint.quant import BLOCK, QWEN_FP8_CONFIG, is_quantizable, quantize  # noqa: E402
 from tp_engine.sampling.sampler import SamplingParams  # noqa: E402
 from tp_engine.runtime.request import RequestOutput  # noqa: E402
+from bench_compiles import KernelCompiles  # noqa: E402
 from bench_replicas import bench_replicas  # noqa: E402
 from bench_soak import bench_soak  # noqa: E402
 from bench_structured import bench_structured  # noqa: E402
@@ -540,45 +540,6 @@ class HostTimers:
                 setattr(owner, name, orig)
             else:  # an instance: drop the wrapper to uncover the class's method
                 delattr(owner, name)
-
-
-class KernelCompiles:
-    """The Triton kernels compiled, or loaded from Triton's cache on disk, while it is entered, and their
-    seconds: a measured run that compiles pays a one-time cost the other run of its pair may not (Triton's
-    `jit_cache_hook`, called before each, and `jit_post_compile_hook`, after)."""
-
-    def __init__(self) -> None:
-        self.kernels: dict[str, int] = {}
-        self.seconds = 0.0
-        self._began: dict[int, float] = {}  # thread: when its compile began
-        self._saved = None
-
-    def __enter__(self) -> KernelCompiles:
-        try:
-            from triton import knobs
-        except ImportError:  # CPU-only installs: nothing compiles
-            return self
-        self._saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self.began, self.ended
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._saved is not None:
-            from triton import knobs
-            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
-
-    def began(self, *, fn, **_) -> None:  # None: Triton goes on to compile
-        self.kernels[fn.name] = self.kernels.get(fn.name, 0) + 1
-        self._began[threading.get_ident()] = time.perf_counter()
-
-    def ended(self, **_) -> None:
-        began = self._began.pop(threading.get_ident(), None)
-        if began is not None:
-            self.seconds += time.perf_counter() - began
-
-    def report(self) -> dict:
-        return {"count": sum(self.kernels.values()), "seconds": round(self.seconds, 3),
-                "kernels": dict(sorted(self.kernels.items()))}
 
 
 def host_profile(engine: Engine, args, res: dict) -> None:

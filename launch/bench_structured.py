@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_compiles import KernelCompiles
 from tp_engine import LLM, SamplingParams
 from tp_engine.sampling.constraints import constraint_of
 
@@ -154,14 +155,15 @@ def tokenizer_size(model_dir: Path) -> int | None:
 def timed(llm: LLM, prompts: list, params) -> dict | None:
     """One measured generate call from a cold prefix cache: output tokens, seconds, tok/s over the whole
     call, how many outputs are whole matches of their constraint and how many are cut short, the requests
-    preempted, and with constraints the host's milliseconds a masked step by part (Grammars.host_s) (rank
-    0; the others None)."""
+    preempted, the Triton kernels compiled inside the call, and with constraints the host's milliseconds a
+    masked step by part (Grammars.host_s) (rank 0; the others None)."""
     if llm.engine.pool is not None:
         llm.engine.pool.clear()  # the other run had the same prompts
     grammars = llm.engine.grammars
     host, steps = (dict(grammars.host_s), grammars.masked_steps) if grammars else ({}, 0)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    with KernelCompiles() as compiles:
+        outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     if outs is None:
         return None
@@ -174,6 +176,7 @@ def timed(llm: LLM, prompts: list, params) -> dict | None:
     tokens = sum(len(o["output_token_ids"]) for o in outs)
     return {"requests": len(outs), "output_tokens": tokens, "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 1), "preempted": llm.engine.num_preempted,
+            "kernel_compiles": compiles.report(),
             **{k: sum(o.get("constraint") == k for o in outs) for k in ("complete", "incomplete")},
             **({"masked_steps": masked, "mask_host_ms_per_step": mask_ms} if masked else {})}
 

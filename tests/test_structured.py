@@ -342,7 +342,7 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
     """launch/bench.py --workload structured on the demo model's shapes (random weights): latency and
     throughput runs with and without JSON schemas, the constrained ones as long as asked (random weights
     rarely close a string) and each output under its constraint, with the host's milliseconds a masked step
-    by part; the 20-field schema's compile times; a PASS or FAIL line per target on stderr."""
+    by part and the kernels compiled inside each run; the 20-field schema's compile times; a PASS or FAIL line per target on stderr."""
     out, new = tmp_path / "bench.json", 24
     demo = ROOT / "configs" / "models" / "demo"
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo), "--engine", "ours",
@@ -362,6 +362,8 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
         assert constrained["mask_host_ms_per_step"].keys() == {"wait", "take", "fill", "apply"}
         assert all(v >= 0 for v in constrained["mask_host_ms_per_step"].values())
         assert constrained["mask_host_ms_per_step"]["fill"] > 0 and "masked_steps" not in plain
+        for run in (constrained, plain):  # no Triton kernel runs on the CPU
+            assert run["kernel_compiles"] == {"count": 0, "seconds": 0.0, "kernels": {}}
     assert res["compile"]["fields"] == 20 and res["compile"]["first_ms"] > res["compile"]["cached_ms"] > 0
     assert res["targets"].keys() == {"latency", "throughput", "compile_cached_ms"}
     for name, target in res["targets"].items():
