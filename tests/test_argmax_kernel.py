@@ -81,6 +81,10 @@ for page_size in (1, 16, 64):
 got = ids.clone()
 sampling.resolve_tokens(got, last)  # without slots: the ids alone
 assert torch.equal(got, want)
+many = torch.arange(-5, 2 * sampling.RESOLVE_BLOCK + 3) % 9 - 5  # ids over three of the kernel's blocks
+got = many.clone()
+sampling.resolve_tokens(got, last)
+assert torch.equal(got, torch.where(many >= 0, many, last[(-1 - many).clamp(min=0)]))
 print("interpreter ok")
 '''
 

@@ -141,6 +141,12 @@ def self_test(device: torch.device, fp8: bool = False) -> str | None:
         masked = ops.mask_logits(logits, masks, torch.tensor([-1, 0], dtype=torch.int32, device=device))
         assert torch.equal(masked[0], logits[0]) and masked[1].argmax() == 4964
         assert masked[1].isinf().sum() == 4999
+        last = torch.arange(10, 15, device=device)
+        ids = torch.tensor([-1, 7, -5], device=device)
+        assert ops.resolve_tokens(ids.clone(), last).tolist() == [10, 7, 14]  # both variants: the only two
+        k_rows, v_rows = torch.empty_like(ids), torch.empty_like(ids)
+        ops.resolve_tokens(ids, last, (torch.tensor([0, 17, 40], device=device), 16, k_rows, v_rows))
+        assert ids.tolist() == [10, 7, 14] and k_rows.tolist() == [0, 33, 72] and v_rows.tolist() == [16, 49, 88]
         flag = torch.ones(1, dtype=torch.int32, pin_memory=True)
         ops.wait_for_host(flag, 1)  # raised already: returns (compiled here, never while a stream waits)
         cache = torch.zeros(2, 2, 4, 1, 128, device=device, dtype=dt)

@@ -141,10 +141,10 @@ if triton is not None:
         pick = tl.min(tl.where(g == best, ids, none), axis=0)
         tl.store(out_ptr + r, tl.where(first_nan < none, first_nan, pick))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "page_size"])
     def _resolve_tokens_kernel(ids_ptr, last_ptr, loc_ptr, k_ptr, v_ptr, n, page_size, BLOCK: tl.constexpr,
                                ROWS: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         ids = tl.load(ids_ptr + offs, mask=m, other=0)
         ref = ids < 0
@@ -244,6 +244,9 @@ def draw_among(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Ten
     return out
 
 
+RESOLVE_BLOCK = 256  # one compiled kernel for any count of ids (neither it nor the page size is specialized)
+
+
 def resolve_tokens(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = None) -> torch.Tensor:
     """In place: each id < 0 becomes last[-1 - id] (step_tokens.resolve), in one kernel. slots:
     (out_loc, page_size, k_rows, v_rows) also fills k_rows and v_rows as
@@ -252,6 +255,6 @@ def resolve_tokens(ids: torch.Tensor, last: torch.Tensor, slots: tuple | None = 
     if n:
         loc, page_size, k_rows, v_rows = slots if slots is not None else (ids, 1, ids, ids)
         assert loc.numel() == k_rows.numel() == v_rows.numel() == n
-        _resolve_tokens_kernel[(1,)](ids, last, loc, k_rows, v_rows, n, page_size,
-                                     BLOCK=triton.next_power_of_2(n), ROWS=slots is not None)
+        _resolve_tokens_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](ids, last, loc, k_rows, v_rows, n, page_size,
+                                                                 BLOCK=RESOLVE_BLOCK, ROWS=slots is not None)
     return ids

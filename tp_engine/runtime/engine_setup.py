@@ -16,6 +16,7 @@ from tp_engine.base.config import fingerprint
 from tp_engine.checkpoint.model_config import ModelConfig
 from tp_engine.models import compute_dtype, load_model
 from tp_engine.runtime.memory_plan import gib, graph_oom, num_pages
+from tp_engine.sampling.sampler import compile_draws
 
 log = logging.getLogger("tp_engine")
 
@@ -44,12 +45,14 @@ def setup_model(engine) -> None:
 
 def agree_on_kernels(engine, ops: SimpleNamespace | None) -> SimpleNamespace | None:
     """This rank's kernels (kernels.select) if every rank can run them, else None (the push all-reduce
-    needs them on all)."""
+    needs them on all); on rank 0 the sampler's compiled for the model's vocabulary."""
     if engine.device.type == "cuda" and not comm.all_reduce_min(int(ops is not None), engine.tp):
         if ops is not None:
             log.warning("fused Triton kernels disabled on rank %d: another rank cannot use them",
                         engine.tp.rank)
         return None
+    if ops is not None and engine.device.type == "cuda" and engine.tp.is_first:  # rank 0 alone samples
+        compile_draws(engine.model_cfg.vocab_size, engine.device, ops)
     return ops
 
 

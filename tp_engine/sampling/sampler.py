@@ -171,3 +171,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int,
     else:
         ids = top_ids(logits, k)
     return lp.gather(1, tokens[:, None]).squeeze(1), ids, lp.gather(1, ids)
+
+
+def compile_draws(vocab: int, device: torch.device, ops) -> None:
+    """Run the fused draws once on zero logits of the model's vocabulary: greedy, temperature alone and Qwen3's
+    recommended top_k 20 / top_p 0.95, on bf16 logits (the graphs') and fp32 ones (eager steps'), and an
+    output constraint's mask. Their kernels, specialized on the vocabulary's size, so compile at start-up
+    (a second or so each) rather than inside a first run; a top_k of another power of two compiles at its
+    first use."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.zeros(len(params), vocab, dtype=dtype, device=device)
+        sample(logits, params, [0] * len(params), [0] * len(params), ops)
+        sample(logits[1:], params[1:], [0, 0], [0, 0], ops)  # no greedy row: only the draws run
+        masks = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32, device=device)
+        ops.mask_logits(logits.float(), masks, torch.tensor([-1, 0, 0], dtype=torch.int32, device=device))
+    torch.cuda.synchronize(device)
