@@ -394,6 +394,40 @@ def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
     assert all(torch.equal(row, allowed[0]) for row in got)
 
 
+def test_a_decode_step_takes_its_tokens_in_one_call_read_whole(llm, monkeypatch):
+    """A decode step's matchers take their tokens in one xgrammar call whose result is read whole, not one
+    element at a time (each element read lets the GIL go, and under a busy main thread waits to get it
+    back). A refused token is named."""
+    import xgrammar
+
+    from tp_engine.sampling.constraints import take_all
+
+    grammars = llm.engine.grammars
+    params = SamplingParams(choice=CONSTRAINTS["choice"])
+    allowed = torch.zeros(1, 64, dtype=torch.int32)
+    grammars.matcher(params).fill(allowed, 0)
+    ok = next(t for t in range(2048) if (int(allowed[0, t // 32]) >> (t % 32)) & 1)
+    refused = next(t for t in range(2048) if not (int(allowed[0, t // 32]) >> (t % 32)) & 1)
+    core, reads = xgrammar.matcher._core.BatchGrammarMatcher, []
+
+    class Result(list):  # counts the per-element reads of the binding's result
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    class Counting:
+        @staticmethod
+        def batch_accept_token(handles, tokens, debug):
+            return Result(core.batch_accept_token(handles, tokens, debug))
+
+    matchers = [grammars.matcher(params) for _ in range(8)]
+    monkeypatch.setattr(xgrammar.matcher._core, "BatchGrammarMatcher", Counting)
+    take_all([(m, [ok]) for m in matchers])
+    assert [m.fed for m in matchers] == [1] * 8 and reads == []
+    with pytest.raises(RuntimeError, match=f"token {refused} is outside the output constraint"):
+        take_all([(grammars.matcher(params), [t]) for t in (ok, refused, ok)])
+
+
 def test_the_main_thread_waits_for_the_mask_thread_only_after_a_stop_token(llm):
     """While the mask thread has yet to feed a step's tokens to its matchers, taking in that step reads no
     matcher whose newest token cannot end its grammar (no wait), and waits for the mask thread where it can

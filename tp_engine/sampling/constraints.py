@@ -211,10 +211,19 @@ def take_all(feeds: Sequence[tuple[Matcher, list[int]]]) -> None:
             m.take(toks)
     if not one:
         return
-    import xgrammar
-    took = xgrammar.BatchGrammarMatcher.batch_accept_token([m.m for m, _ in one], [t for _, t in one])
-    for (m, tok), ok in zip(one, took):
-        if not ok:
-            raise _refused(tok)
+    took = _accept_batch([m.m for m, _ in one], [t for _, t in one])
+    if 0 in took:  # a sampled token outside its mask: an engine error, named by the first such token
+        raise _refused(next(tok for (_, tok), ok in zip(one, took) if not ok))
+    for m, tok in one:
         m.fed += 1
         m._took(tok)
+
+
+def _accept_batch(matchers: list, tokens: list[int]) -> Sequence:
+    """xgrammar's BatchGrammarMatcher.batch_accept_token without its public wrapper, which turns the result
+    into a list one element at a time, each a call that lets the GIL go: on the mask thread, beside a main
+    thread running Python, each return waits for the GIL again (grammar_masks.py), about 2 ms a step at
+    256 rows. The result is read whole here (`0 in`). The binding is xgrammar's own module (pinned below 0.3
+    in pyproject.toml)."""
+    from xgrammar.matcher import _core
+    return _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
