@@ -32,7 +32,8 @@ if triton is not None:
         out = _round(w.to(tl.float32) * y, DT).to(DT)
         tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
-    @triton.jit
+    # a token's position and cache row are read one at a time: no compile per alignment of a view
+    @triton.jit(do_not_specialize=["pos_ptr", "rows_ptr"])
     def _qk_norm_rope_store_kernel(qkv_ptr, qkv_stride, q_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr,
                                    rows_ptr, cache_ptr, eps, inv_d,
                                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

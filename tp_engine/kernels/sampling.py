@@ -108,7 +108,8 @@ if triton is not None:
             best = tl.max(key, axis=0)
             i += 1
 
-    @triton.jit
+    # a row's values are read one at a time: no compile per alignment of a view (group_inputs' second rows)
+    @triton.jit(do_not_specialize=["rows_ptr", "temp_ptr", "k_ptr", "p_ptr", "hash_ptr"])
     def _draw_among_kernel(logits_ptr, stride, rows_ptr, temp_ptr, ids_ptr, k_ptr, p_ptr, hash_ptr, out_ptr,
                            C, BLOCK: tl.constexpr):
         """topk_sampling.draw_among for one row: its C candidates (ids in rank order), top-k and top-p masks,
