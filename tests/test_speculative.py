@@ -443,6 +443,22 @@ def test_no_acceptance_anywhere_keeps_new_batch_sizes_plain():
     assert seen[:3] == [0, 1, 1], seen
 
 
+def test_new_classes_of_a_shrinking_batch_space_their_probes_by_the_latest_cost():
+    """At acceptance 0, probes costing about 25 plain steps each (8 requests' catch-up): as the batch of a
+    64-request run shrinks through new classes, each lasting longer than PROBE_EVERY steps, a class that
+    has not probed spaces its first probe by the latest probe's cost, so the run keeps 97% of plain
+    steps' rate and probes at most twice."""
+    from tp_engine.speculative.policy import SpecPolicy
+
+    policy, seen, spent, gained = SpecPolicy(4, adaptive=True), [], 0.0, 0.0
+    for batch, steps in ((64, 300), (48, 150), (24, 150), (13, 150), (5, 150)):
+        got, rate = drive(policy, batch, steps, cost=1.0, gain=0.0, catch=1.25, behind=160)
+        seen += got
+        spent, gained = spent + steps / rate, gained + steps  # a plain step gains 1 token in 1 ms
+    probes = [i for i, k in enumerate(seen) if k < 0]
+    assert len(probes) <= 2 and gained / spent >= 0.97, (probes, gained / spent)
+
+
 def test_while_drafts_are_not_accepted_a_look_at_a_batch_is_a_probe():
     """At acceptance 0, a look at a batch of 64 drafts for one request only (a probe: its catch-up, not
     every request's); when the text turns and the probe's drafts are accepted, the next step looks with

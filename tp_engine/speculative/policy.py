@@ -26,7 +26,8 @@ over them): a cost of switching, not of speculating, so that step's time does no
 as the switch's cost in plain steps, and the step after it drafts the same k to measure it. While plain
 steps win, the policy looks at its best k > 0 again after `PROBE_EVERY` steps, then after twice as many each
 time that look loses, up to `LOOK_MOST`, and never sooner than keeps a look's switching (or a probe's
-cost, as measured) under `LOOK_SHARE` of the plain steps' time.
+cost, as measured) under `LOOK_SHARE` of the plain steps' time. A class that has not probed yet spaces its
+first probe by the latest probe's cost, as a shrinking batch passes through new classes.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class SpecPolicy:
         self.look_at: dict[int, int] = {}  # class -> its step of the next look, while plain steps win
         self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
         self.probe_cost: dict[int, float] = {}  # class -> plain steps' time its latest probe cost
+        self.probe_excess = 0.0  # seconds the latest probe (of any class) took beyond a plain step
         self.hold: tuple[int, int] | None = None  # (class, k): the next step's k, if of that class
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
         self.accept: float | None = None  # the share of drafts accepted, a running average over steps
@@ -120,8 +122,9 @@ class SpecPolicy:
         probe = batch > 1 and self.accept is not None and self.accept < MIN_ACCEPT
         if c not in self.look_at:  # a probe catches up a few requests: that share of a switch's cost
             cost = self.switch.get(c, 0.0)
-            if probe:
-                cost = max(cost * min(self.probe_rows, batch) / batch, self.probe_cost.get(c, 0.0))
+            if probe:  # a class not probed yet: the latest probe's cost, in this class's plain steps
+                probed = self.probe_cost.get(c, self.probe_excess * rates[0])
+                cost = max(cost * min(self.probe_rows, batch) / batch, probed)
             self.look_at[c] = n + max(wait, round(cost / LOOK_SHARE))
         if n < self.look_at[c]:
             return 0
@@ -164,6 +167,7 @@ class SpecPolicy:
         plain = self.rate.get(c, {}).get(0)
         if plain and seconds > 0:
             self.probe_cost[c] = max(seconds * plain - 1.0, 0.0)
+            self.probe_excess = self.probe_cost[c] / plain
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
