@@ -342,7 +342,8 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
     """launch/bench.py --workload structured on the demo model's shapes (random weights): latency and
     throughput runs with and without JSON schemas, the constrained ones as long as asked (random weights
     rarely close a string) and each output under its constraint, with the host's milliseconds a masked step
-    by part and the kernels compiled inside each run; the 20-field schema's compile times; a PASS or FAIL line per target on stderr."""
+    by part and the kernels compiled inside each run; the 20-field schema's compile times; a PASS or FAIL
+    line per target on stderr."""
     out, new = tmp_path / "bench.json", 24
     demo = ROOT / "configs" / "models" / "demo"
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "--model", str(demo), "--engine", "ours",

@@ -174,11 +174,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int,
 
 
 def compile_draws(vocab: int, device: torch.device, ops) -> None:
-    """Run the fused draws once on zero logits of the model's vocabulary: greedy, temperature alone and Qwen3's
-    recommended top_k 20 / top_p 0.95, on bf16 logits (the graphs') and fp32 ones (eager steps'), and an
-    output constraint's mask. Their kernels, specialized on the vocabulary's size, so compile at start-up
-    (a second or so each) rather than inside a first run; a top_k of another power of two compiles at its
-    first use."""
+    """Run the fused draws once on zero logits of the model's vocabulary: greedy, temperature alone and
+    Qwen3's recommended top_k 20 / top_p 0.95, on bf16 logits (the graphs') and fp32 ones (eager steps'),
+    and an output constraint's mask. Their kernels, specialized on the vocabulary's size, so compile at
+    start-up (a second or so each) rather than inside a first run; a top_k of another power of two compiles
+    at its first use."""
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
               SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
     for dtype in (torch.bfloat16, torch.float32):
