@@ -184,7 +184,6 @@ def compile_draws(vocab: int, device: torch.device, ops) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         logits = torch.zeros(len(params), vocab, dtype=dtype, device=device)
         sample(logits, params, [0] * len(params), [0] * len(params), ops)
-        sample(logits[1:], params[1:], [0, 0], [0, 0], ops)  # no greedy row: only the draws run
-        masks = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32, device=device)
-        ops.mask_logits(logits.float(), masks, torch.tensor([-1, 0, 0], dtype=torch.int32, device=device))
+    masks = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32, device=device)
+    ops.mask_logits(logits, masks, torch.tensor([-1, 0, 0], dtype=torch.int32, device=device))
     torch.cuda.synchronize(device)

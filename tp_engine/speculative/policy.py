@@ -26,8 +26,8 @@ over them): a cost of switching, not of speculating, so that step's time does no
 as the switch's cost in plain steps, and the step after it drafts the same k to measure it. While plain
 steps win, the policy looks at its best k > 0 again after `PROBE_EVERY` steps, then after twice as many each
 time that look loses, up to `LOOK_MOST`, and never sooner than keeps a look's switching (or a probe's
-cost, as measured) under `LOOK_SHARE` of the plain steps' time. A class that has not probed yet spaces its
-first probe by the latest probe's cost, as a shrinking batch passes through new classes.
+cost, as measured) under `LOOK_SHARE` of the plain steps' time. A probe's cost is the latest probe's, of
+any class, so that a class a shrinking batch enters spaces its first probe too.
 """
 from __future__ import annotations
 
@@ -76,7 +76,6 @@ class SpecPolicy:
         self.wait: dict[int, int] = {}  # class -> steps between looks at a k > 0 while plain steps win
         self.look_at: dict[int, int] = {}  # class -> its step of the next look, while plain steps win
         self.switch: dict[int, float] = {}  # class -> plain steps' time the latest switch to a k > 0 cost
-        self.probe_cost: dict[int, float] = {}  # class -> plain steps' time its latest probe cost
         self.probe_excess = 0.0  # seconds the latest probe (of any class) took beyond a plain step
         self.hold: tuple[int, int] | None = None  # (class, k): the next step's k, if of that class
         self.updated: dict[tuple[int, int], int] = {}  # (class, k) -> the class's step when k was last timed
@@ -122,9 +121,8 @@ class SpecPolicy:
         probe = batch > 1 and self.accept is not None and self.accept < MIN_ACCEPT
         if c not in self.look_at:  # a probe catches up a few requests: that share of a switch's cost
             cost = self.switch.get(c, 0.0)
-            if probe:  # a class not probed yet: the latest probe's cost, in this class's plain steps
-                probed = self.probe_cost.get(c, self.probe_excess * rates[0])
-                cost = max(cost * min(self.probe_rows, batch) / batch, probed)
+            if probe:  # the latest probe's cost (of any class), in this class's plain steps
+                cost = max(cost * min(self.probe_rows, batch) / batch, self.probe_excess * rates[0])
             self.look_at[c] = n + max(wait, round(cost / LOOK_SHARE))
         if n < self.look_at[c]:
             return 0
@@ -161,13 +159,12 @@ class SpecPolicy:
         self.hold = c, k
 
     def record_probe(self, batch: int, seconds: float) -> None:
-        """A probe at `batch` decoding requests took `seconds`: beyond the plain step it stands for, its cost
-        keeps the probes of its class apart (LOOK_SHARE)."""
+        """A probe at `batch` decoding requests took `seconds`: what it took beyond the plain step it stands
+        for keeps the next probes apart, in every class (LOOK_SHARE)."""
         c = self.size_class(batch)
         plain = self.rate.get(c, {}).get(0)
         if plain and seconds > 0:
-            self.probe_cost[c] = max(seconds * plain - 1.0, 0.0)
-            self.probe_excess = self.probe_cost[c] / plain
+            self.probe_excess = max(seconds - 1.0 / plain, 0.0)
 
     def record_empty(self, batch: int, k: int) -> None:
         """A step of `k` drafts found nothing to draft (n-gram lookup without a match): it gains what a plain
