@@ -371,6 +371,23 @@ def test_bench_structured_workload_reports_each_target(tmp_path):
         assert f"structured {name}: {'PASS' if target['pass'] else 'FAIL'} " in proc.stderr
 
 
+def test_bench_masks_times_each_row_each_thread_count_and_the_take(tmp_path):
+    """launch/bench_masks.py on the demo model's tokenizer: each row's fill on its own (quantiles in order),
+    xgrammar's batch fill on each thread count asked for, and the take of a token a row."""
+    out = tmp_path / "masks.json"
+    demo = ROOT / "configs" / "models" / "demo"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench_masks.py"), "--model", str(demo), "--rows", "24",
+           "--threads", "1,2", "--repeat", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["rows"] == 24 and res["walk_tokens_median"] > 0
+    fill = res["row_fill_us"]
+    assert 0 < fill["p10"] <= fill["p50"] <= fill["p90"] <= fill["max"]
+    assert res["batch_fill_ms_by_threads"].keys() == {"1", "2"}
+    assert all(v > 0 for v in res["batch_fill_ms_by_threads"].values()) and res["take_ms"] > 0
+
+
 def test_a_mask_thread_error_reaches_the_run_once_and_the_flag_rises(llm):
     """A matcher that refuses a token fails its step on the mask thread: the error reaches the main thread
     (once: the next step starts clean), and the flag a waiting stream watches rises all the same."""
