@@ -26,6 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "launch")]
 import torch  # noqa: E402
 
 from bench_structured import model_with_tokenizer, record_schema  # noqa: E402
+from tp_engine import SamplingParams  # noqa: E402
+from tp_engine.sampling.constraints import Grammars, constraint_of  # noqa: E402
 
 
 def walks(compiled: list, rows: int, depth: int, words: int, seed: int) -> list[list[int]]:
@@ -33,19 +35,23 @@ def walks(compiled: list, rows: int, depth: int, words: int, seed: int) -> list[
     allows, ending before the grammar would."""
     import xgrammar
 
-    rng, mask, bits, out = random.Random(seed), torch.zeros(1, words, dtype=torch.int32), torch.arange(32), []
+    rng, mask, out = random.Random(seed), torch.zeros(1, words, dtype=torch.int32), []
     for r in range(rows):
         m, taken = xgrammar.GrammarMatcher(compiled[r % len(compiled)]), []
         for _ in range(rng.randrange(depth + 1)):
             m.fill_next_token_bitmask(mask, 0)
-            allowed = torch.nonzero(((mask[0].unsqueeze(1) >> bits) & 1).flatten()).flatten().tolist()
-            tok = rng.choice(allowed)
+            tok = rng.choice(allowed_ids(mask[0]))
             m.accept_token(tok)
             if m.is_terminated():
                 break
             taken.append(tok)
         out.append(taken)
     return out
+
+
+def allowed_ids(row: torch.Tensor) -> list[int]:
+    """The token ids a mask row ([words] int32, bit j of word w: token 32 w + j) allows, in order."""
+    return torch.nonzero(((row.unsqueeze(1) >> torch.arange(32)) & 1).flatten()).flatten().tolist()
 
 
 def matchers(compiled: list, tokens: list[list[int]]) -> list:
@@ -86,11 +92,12 @@ def main() -> None:
     model, source = model_with_tokenizer(args.model, args.tokenizer)
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     vocab, eos = cfg["vocab_size"], cfg.get("eos_token_id")
-    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model), vocab_size=vocab,
-                                                   stop_token_ids=[eos] if isinstance(eos, int) else eos)
-    compiler, words = xgrammar.GrammarCompiler(info), (vocab + 31) // 32
-    compiled = [compiler.compile_json_schema(json.dumps(record_schema(v), sort_keys=True),
-                                             any_whitespace=False) for v in range(8)]
+    # compiled as the engine compiles a request's constraint
+    grammars = Grammars(lambda: (AutoTokenizer.from_pretrained(model), ""), vocab,
+                        [eos] if isinstance(eos, int) else eos or [])
+    words = (vocab + 31) // 32
+    compiled = [grammars.compile(*constraint_of(SamplingParams(json_schema=record_schema(v))))
+                for v in range(8)]
     tokens = walks(compiled, args.rows, args.depth, words, args.seed)
     ms, masks = matchers(compiled, tokens), torch.zeros(args.rows, words, dtype=torch.int32)
     per_row = [timed_ms(lambda j=j, m=m: m.fill_next_token_bitmask(masks, j), 5) * 1e3
@@ -101,8 +108,7 @@ def main() -> None:
         filler, rows = xgrammar.BatchGrammarMatcher(n), list(range(len(ms)))
         batch[n] = round(timed_ms(lambda f=filler: f.batch_fill_next_token_bitmask(ms, masks, rows),
                                   args.repeat), 3)
-    bits = torch.arange(32)
-    allowed = [int(torch.nonzero(((row.unsqueeze(1) >> bits) & 1).flatten())[-1]) for row in masks]
+    allowed = [allowed_ids(row)[-1] for row in masks]
     fresh = matchers(compiled, tokens)
     start = time.perf_counter()
     took = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in fresh], allowed, False)
