@@ -36,6 +36,17 @@ SPEED_TOLERANCE, MEMORY_TOLERANCE = 0.05, 0.01
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") else None
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2: the C allocator's totals over all its arenas."""
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+
+
+if _LIBC is not None and hasattr(_LIBC, "mallinfo2"):
+    _LIBC.mallinfo2.restype = _MallInfo2
+
+
 def soak_prompt(seed: int, k: int, vocab: int) -> list[int]:
     """Prompt k of a run: 16 to 64 random tokens, or for even k a shared prefix (16 or 32 tokens, one of
     PREFIX_WINDOW that move on as k grows, so that old ones fall out of use) and up to 32 tokens of its
@@ -60,13 +71,20 @@ def call_params(call: int, seed: int) -> SamplingParams:
 def snapshot(device: torch.device) -> dict:
     """This process's memory, live Python objects and open files. `rss` is read after the collector ran
     and the C allocator gave its free pages back (malloc_trim): memory held, not memory kept for reuse,
-    which moves by megabytes. `objects` counts what the collector tracks (tensors, dicts, lists, class
-    instances): a leak of one of them per request or per step shows there exactly, before it shows in RSS."""
+    which moves by megabytes. `heap` is what the C allocator has handed out and not had back (tensors'
+    storage, large Python buffers), and `blocks` what Python's small-object allocator has (ints, strings,
+    small lists): both count memory in use, whatever the allocators keep around it. `objects` counts what
+    the collector tracks (tensors, dicts, lists, class instances): a leak of one of them per request or per
+    step shows there exactly, before it shows in RSS."""
     gc.collect()
     out = {"rss_untrimmed": vm_rss()}
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
-    out.update(rss=vm_rss(), objects=len(gc.get_objects()), fds=len(os.listdir("/proc/self/fd")))
+    out.update(rss=vm_rss(), objects=len(gc.get_objects()), blocks=sys.getallocatedblocks(),
+               fds=len(os.listdir("/proc/self/fd")))
+    if _LIBC is not None and hasattr(_LIBC, "mallinfo2"):
+        info = _LIBC.mallinfo2()
+        out["heap"] = info.uordblks + info.hblkhd  # in use in the arenas, and in chunks of their own mmap
     if device.type == "cuda":
         out.update(gpu_allocated=torch.cuda.memory_allocated(device),
                    gpu_reserved=torch.cuda.memory_reserved(device))
