@@ -43,8 +43,9 @@ class _MallInfo2(ctypes.Structure):
                  "fordblks", "keepcost")]
 
 
-if _LIBC is not None and hasattr(_LIBC, "mallinfo2"):
-    _LIBC.mallinfo2.restype = _MallInfo2
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)  # glibc 2.33 and later
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2
 
 
 def soak_prompt(seed: int, k: int, vocab: int) -> list[int]:
@@ -82,8 +83,8 @@ def snapshot(device: torch.device) -> dict:
         _LIBC.malloc_trim(0)
     out.update(rss=vm_rss(), objects=len(gc.get_objects()), blocks=sys.getallocatedblocks(),
                fds=len(os.listdir("/proc/self/fd")))
-    if _LIBC is not None and hasattr(_LIBC, "mallinfo2"):
-        info = _LIBC.mallinfo2()
+    if _MALLINFO2 is not None:
+        info = _MALLINFO2()
         out["heap"] = info.uordblks + info.hblkhd  # in use in the arenas, and in chunks of their own mmap
     if device.type == "cuda":
         out.update(gpu_allocated=torch.cuda.memory_allocated(device),
